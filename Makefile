@@ -1,0 +1,30 @@
+# The README's two commands: `make demo` (train + PTQ sweep on the embedded corpus) and
+# `make test` (the whole suite). Both create .venv and install what they need.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+
+.PHONY: demo test bench install install-test clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install -q -e .
+
+install-test: $(BIN)/python
+	$(BIN)/pip install -q -e '.[test]'
+
+demo: install
+	XLA_FLAGS= $(BIN)/python experiments/demo.py --config=configs/demo.py
+
+test: install-test
+	$(BIN)/python -m pytest tests -q -n 2 --durations=15
+
+bench: install
+	XLA_FLAGS= $(BIN)/python benchmarks/qdot_bench.py
+
+clean:
+	rm -rf results/ .pytest_cache

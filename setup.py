@@ -1,0 +1,29 @@
+"""qjax: quantized and efficient transformer inference and training in JAX/Flax."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name='qjax',
+    version='0.1.0',
+    description='Quantization as pure functions, Flax NNX transformers, partitioning layouts '
+                'and evidence-first experiments in JAX.',
+    packages=find_packages(include=['qjax', 'qjax.*']),
+    python_requires='>=3.11',
+    install_requires=[
+        # Lower bounds only: jax 0.10 (Python 3.11) and 0.11/0.12 (Python 3.12) both work.
+        'jax>=0.10.0',
+        'flax>=0.12.0',
+        'optax>=0.2.4',
+        'orbax-checkpoint>=0.11.0',
+        'ml-collections>=1.0.0',
+        'chex>=0.1.90',
+        'absl-py>=2.0',
+        'numpy>=1.26',
+        'ml_dtypes>=0.5',
+        'matplotlib>=3.8',
+    ],
+    extras_require={
+        'test': ['pytest>=8', 'pytest-xdist>=3', 'hypothesis>=6.100', 'nbclient>=0.10',
+                 'nbformat>=5.10', 'ipykernel>=6.29'],
+    },
+)

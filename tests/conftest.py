@@ -1,0 +1,21 @@
+"""Test setup: 8 simulated CPU devices (set before jax is imported), float32 everywhere."""
+
+import os
+
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile('qjax', max_examples=40, deadline=None)
+settings.load_profile('qjax')
+
+
+@pytest.fixture(scope='session')
+def eight_devices():
+  devs = jax.devices()
+  assert len(devs) == 8, f'expected 8 simulated devices (XLA_FLAGS), got {len(devs)}'
+  return devs
