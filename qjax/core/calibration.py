@@ -116,10 +116,8 @@ def compute_range(x: jax.Array, fmt: QFormat,
   """Per-scale (lo, hi) of `x` in its grouped view, by `method` (default `fmt.calibration`)."""
   method = method or fmt.calibration
   xv, axes = grouped_view(x.astype(jnp.float32), fmt)
-  if method == 'absmax' or (method == 'minmax' and fmt.symmetric):
-    return absmax_range(xv, axes)
-  if method == 'minmax':
-    return minmax_range(xv, axes)
+  if method in ('absmax', 'minmax'):  # the full range: |x| for symmetric, [min, max] otherwise
+    return absmax_range(xv, axes) if fmt.symmetric else minmax_range(xv, axes)
   if method == 'percentile':
     return percentile_range(xv, axes, fmt.calibration_arg, fmt.symmetric)
   if method == 'mse':

@@ -9,6 +9,7 @@ the clip bound `qmin - z` or `qmax - z` outside, for `v = x / s + z`.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -19,13 +20,20 @@ from qjax.core.formats import FLOAT_KINDS, QFormat
 from qjax.core.qarray import RangeArg, _negative_axes, scale_and_zero_point
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def round_ste(v: jax.Array, fmt: QFormat) -> jax.Array:
-  """Round to the format's grid in the forward pass; identity gradient."""
+  """Round to the format's grid in the forward pass (exactly); identity gradient."""
   if fmt.is_float:
-    r = v.astype(FLOAT_KINDS[fmt.kind]).astype(v.dtype)
-  else:
-    r = jnp.round(v)
-  return v + jax.lax.stop_gradient(r - v)
+    return v.astype(FLOAT_KINDS[fmt.kind]).astype(v.dtype)
+  return jnp.round(v)
+
+
+@round_ste.defjvp
+def _round_ste_jvp(fmt, primals, tangents):
+  # A custom JVP rather than `v + stop_gradient(round(v) - v)`: that sum is not exactly
+  # round(v) in floating point, and QAT must be bit-identical to the converted model.
+  (v,), (dv,) = primals, tangents
+  return round_ste(v, fmt), dv
 
 
 def fake_quant_view(xv, scale, zero_point, fmt: QFormat) -> jax.Array:
@@ -33,8 +41,10 @@ def fake_quant_view(xv, scale, zero_point, fmt: QFormat) -> jax.Array:
   s = scale.astype(jnp.float32)
   z = 0.0 if zero_point is None else zero_point.astype(jnp.float32)
   v = xv / s + z
-  # The clip is the zero gradient outside the range; the range's ends count as inside.
-  inside = (v >= fmt.qmin) & (v <= fmt.qmax)
+  # The clip is the zero gradient outside the range. The ends count as inside, with a
+  # 1e-3-code tolerance: the absmax element lands at qmax only up to float rounding of the
+  # scale, and it must not lose its gradient for that.
+  inside = (v >= fmt.qmin - 1e-3) & (v <= fmt.qmax + 1e-3)
   v = jnp.where(inside, v, jnp.clip(v, fmt.qmin, fmt.qmax))
   return (round_ste(v, fmt) - z) * s
 

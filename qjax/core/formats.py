@@ -43,7 +43,8 @@ class QFormat:
     group_axis: the axis split into groups (a weight's contraction axis).
     pow2_scale: round scales up to a power of two.
     scale_dtype: storage dtype of scales and zero points ('float32', 'bfloat16', 'float16').
-    calibration: how the range is chosen: 'absmax' (symmetric) / 'minmax' (asymmetric),
+    calibration: how the range is chosen: 'absmax' / 'minmax' (the full range: max |x| for
+      symmetric formats, [min x, max x] for asymmetric ones, whichever name is used),
       'percentile' (clip at `calibration_arg` percent of |x|), 'mse' (grid search of clip
       ratios minimizing reconstruction MSE, `calibration_arg` grid points).
     calibration_arg: the percentile (e.g. 99.9) or number of MSE grid points.

@@ -116,12 +116,14 @@ def scale_and_zero_point(lo, hi, fmt: QFormat):
   sdt = jnp.dtype(fmt.scale_dtype)
   if fmt.symmetric:
     amax = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
-    scale = jnp.where(amax > 0, amax / fmt.qmax, 1.0)
+    # Multiply by a host-side reciprocal: XLA may rewrite `/ const` that way under jit, and
+    # eager and jitted scales must agree bit for bit (QAT == converted model).
+    scale = jnp.where(amax > 0, amax * (1.0 / fmt.qmax), 1.0)
     zp = None
   else:
     lo, hi = jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0)  # keep 0 exactly representable
     span = hi - lo
-    scale = jnp.where(span > 0, span / (fmt.qmax - fmt.qmin), 1.0)
+    scale = jnp.where(span > 0, span * (1.0 / (fmt.qmax - fmt.qmin)), 1.0)
   if fmt.pow2_scale:
     scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
   # Quantize with the scale as stored, so dequantize sees exactly what quantize used.

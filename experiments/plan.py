@@ -1,0 +1,205 @@
+r"""Plan transformer inference with the analytic cost model (Pope et al. 2022).
+
+  python experiments/plan.py --config=configs/plan_palm540b.py
+  python experiments/plan.py --config=configs/plan_gemma3_h200.py --config.n_chips=8
+
+For each phase (prefill, decode) and each layout at its best mesh, prints the per-step
+compute / weight-load / KV-load / communication times, the step and total latency, MFU,
+memory per chip, whether it fits and the regime; optionally Table 2 of the paper next to
+the roofline. Writes table.txt and latency_vs_batch.png to --config.out_dir
+(default results/plan/<name>/).
+"""
+
+import dataclasses
+import os
+import sys
+
+try:
+  import qjax  # noqa: F401  (installed with `pip install -e .`)
+except ImportError:  # a plain checkout: put the repo root on the path
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app
+from ml_collections import config_flags
+import matplotlib
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # noqa: E402
+
+from qjax import costmodel  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'A configs/plan_*.py file.', lock_config=True)
+
+_COLUMNS = ('layout', 'mesh', 'compute', 'weights', 'KV', 'comm', 'step', 'total', 'MFU',
+            'mem/chip', 'fits', 'regime')
+
+
+# ---------------------------------------------------------------------------- inputs
+def _workload(phase_cfg) -> costmodel.Workload:
+  return costmodel.Workload(**phase_cfg.to_dict())
+
+
+def _layouts(cfg) -> list:
+  if cfg.layouts == 'all':
+    return costmodel.all_layouts(cfg.pad_heads)
+  return [costmodel.Layout(*name.strip().split('+'), pad_heads=cfg.pad_heads)
+          for name in cfg.layouts.split(',')]
+
+
+def _plan(cfg, phase: str, workload: costmodel.Workload, layouts, require_fit: bool):
+  return costmodel.plan(
+      cfg.model, cfg.chip, workload, cfg.n_chips, phase, layouts=layouts,
+      meshes=[cfg.mesh] if cfg.mesh else None, interconnect=cfg.interconnect,
+      combine=cfg.combine, efficiency=costmodel.Efficiency(**cfg.efficiency.to_dict()),
+      pad_heads=cfg.pad_heads, require_fit=require_fit)
+
+
+# ---------------------------------------------------------------------------- table
+def _ms(seconds: float) -> str:
+  return f'{seconds * 1e3:.4g} ms' if seconds < 10 else f'{seconds:.4g} s'
+
+
+def _row(est) -> tuple:
+  return (str(est.mesh), _ms(est.compute_s), _ms(est.weight_load_s), _ms(est.kv_load_s),
+          _ms(est.comm_s), _ms(est.step_latency_s), _ms(est.latency_s), f'{est.mfu:.3f}',
+          f'{est.memory.total_bytes / 1e9:.3g} GB', 'yes' if est.memory.fits else 'NO',
+          est.regime)
+
+
+def _format(rows: list) -> str:
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  return '\n'.join('  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _reason(rejected, layout) -> str:
+  """Why `layout` was rejected, on its most cube-like mesh (the least degenerate one)."""
+  mine = [r for r in rejected if r.startswith(f'{layout} on ')]
+  if not mine:
+    return 'rejected'
+  spread = lambda r: max(int(s) for s in r.split(' on ')[1].split(':')[0].split('x'))  # noqa
+  return min(mine, key=spread).split(': ', 1)[1]
+
+
+def phase_table(cfg, phase: str, workload: costmodel.Workload) -> str:
+  """One row per layout (its best mesh); layouts with identical numbers share a row."""
+  layouts = _layouts(cfg)
+  head = (f'== {phase}: {cfg.model} on {cfg.n_chips} x {cfg.chip}, batch {workload.batch}, '
+          f'prompt {workload.prompt_len}, generate {workload.gen_len}, bits w/a/kv '
+          f'{workload.weight_bits:g}/{workload.act_bits:g}/{workload.kv_bits:g} '
+          f'(times per step; total = steps x step) ==')
+  try:
+    result = _plan(cfg, phase, workload, layouts, require_fit=False)
+  except ValueError as e:
+    return f'{head}\n  no layout runs: {e}'
+  best = result.best_per_layout()
+  groups: dict = {}
+  for name, est in best.items():
+    groups.setdefault(_row(est), []).append(name)
+  rows = [_COLUMNS]
+  for values, names in groups.items():
+    label = names[0] if len(names) == 1 else f'{names[0]} (+{len(names) - 1} same)'
+    rows.append((label,) + values)
+  missing = [f'  {lay}: {_reason(result.rejected, lay)}' for lay in layouts
+             if str(lay) not in best]
+  win = result.best
+  lay = win.layer
+  tail = (f'best: {win.layout} on {win.mesh}: {_ms(win.latency_s)} '
+          f'({_ms(win.step_latency_s)} per step), MFU {win.mfu:.3f}, {win.regime} bound\n'
+          f'  per layer ({win.n_layers}): compute {_ms(lay.compute_s)}, weights '
+          f'{_ms(lay.weight_load_s)}, KV {_ms(lay.kv_load_s)}, comm {_ms(lay.comm_s)} in '
+          f'{lay.n_collectives} collectives; output head: compute {_ms(win.head.compute_s)}, '
+          f'weights {_ms(win.head.weight_load_s)}'
+          if win.memory.fits else 'best: nothing fits in HBM')
+  lines = [head, _format(rows), tail]
+  if missing:
+    lines += ['not runnable:'] + missing
+  return '\n'.join(lines)
+
+
+def paper_table() -> str:
+  """Pope et al. Table 2 rows next to the roofline, and the int8 decode saving."""
+  rows = [('row', 'measured', 'roofline', 'measured/roofline', 'MFU paper', 'MFU roofline')]
+  for r in costmodel.TABLE2:
+    est = costmodel.estimate(r.model, r.chip, r.mesh, r.layout, r.workload, r.phase)
+    rows.append((r.label, _ms(r.latency_s), _ms(est.latency_s),
+                 f'{r.latency_s / est.latency_s:.2f}', f'{r.mfu:.2f}', f'{est.mfu:.2f}'))
+  steps = {}
+  for bits in (8, 16):
+    w = costmodel.Workload(batch=64, prompt_len=2048, gen_len=64, weight_bits=bits)
+    steps[bits] = costmodel.estimate('palm_540b', 'tpu_v4', '4x4x4', '2d_ws+mq_batch', w,
+                                     'decode').step_latency_s
+  saving = (steps[16] - steps[8]) * 1e3
+  return '\n'.join([
+      '== Pope et al. 2022, Table 2 (PaLM 540B, 64 x TPU v4) vs the roofline ==',
+      _format(rows),
+      f'decode B=64 int8 vs bf16: roofline saves {saving:.2f} ms/token '
+      f'({steps[16] * 1e3:.2f} -> {steps[8] * 1e3:.2f}); measured 36.9 -> 28.5 = 8.4 ms.'])
+
+
+# ---------------------------------------------------------------------------- plot
+def plot(cfg, path: str) -> None:
+  """Best step latency vs batch for each layout, one panel per phase."""
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  for ax, phase in zip(axes, costmodel.PHASES):
+    base = _workload(getattr(cfg, phase))
+    curves: dict = {}
+    for lay in _layouts(cfg):
+      ys = []
+      for b in cfg.plot_batches:
+        w = dataclasses.replace(base, batch=b)
+        try:
+          ys.append(_plan(cfg, phase, w, [lay], require_fit=True).best.step_latency_s)
+        except ValueError:
+          ys.append(float('nan'))
+      curves.setdefault(tuple(ys), []).append(str(lay))
+    for ys, names in curves.items():
+      label = names[0] if len(names) == 1 else f'{names[0]} (+{len(names) - 1} same)'
+      ffn, attn = names[0].split('+')
+      # Colour names the feed-forward layout, line style the attention layout.
+      ax.plot(cfg.plot_batches, ys, marker='o', ms=3, label=label,
+              color=f'C{costmodel.FFN_LAYOUTS.index(ffn)}',
+              linestyle=('-', '--', ':')[costmodel.ATTN_LAYOUTS.index(attn)])
+    ax.set(xscale='log', yscale='log', xlabel='batch (sequences)',
+           ylabel='step latency (s)' + (', per token' if phase == 'decode' else ''),
+           title=f'{phase}: {cfg.model}, {cfg.n_chips} x {cfg.chip}')
+    ax.grid(True, which='both', alpha=0.3)
+  axes[1].legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.02, 1.0))
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- main
+def main(argv):
+  del argv
+  cfg = _CONFIG.value
+  try:  # fail on a bad name or number before any work, without a traceback
+    costmodel.get_model(cfg.model), costmodel.get_chip(cfg.chip), _layouts(cfg)
+    _workload(cfg.prefill), _workload(cfg.decode)
+    costmodel.Efficiency(**cfg.efficiency.to_dict())
+    if cfg.mesh:
+      costmodel.as_mesh(cfg.mesh)
+  except ValueError as e:
+    raise app.UsageError(f'Bad config: {e}') from None
+  out_dir = cfg.out_dir or os.path.join('results', 'plan', cfg.name)
+  os.makedirs(out_dir, exist_ok=True)
+
+  sections = [phase_table(cfg, phase, _workload(getattr(cfg, phase)))
+              for phase in costmodel.PHASES]
+  if cfg.compare_paper:
+    sections.append(paper_table())
+  rule = ('max(compute, memory) + comm' if cfg.combine == 'serial'
+          else 'max(compute, memory, comm)')
+  sections.append(f'interconnect model: {cfg.interconnect}; combining rule: {cfg.combine} '
+                  f'({rule}); efficiency: {cfg.efficiency.to_dict()}')
+  text = '\n\n'.join(sections)
+  print(text)
+  with open(os.path.join(out_dir, 'table.txt'), 'w') as f:
+    f.write(text + '\n')
+  png = os.path.join(out_dir, 'latency_vs_batch.png')
+  plot(cfg, png)
+  print(f'\nwrote {out_dir}/table.txt and {png}')
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,131 @@
+"""Transformer shapes for the cost model: parameter counts and KV-cache bytes.
+
+Dimension letters follow the qjax glossary: E d_model, F d_ff, N query heads, K kv heads,
+H head dim, V vocab. Norm and bias parameters are ignored (< 0.01% of any preset here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from qjax.costmodel import _names
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """The shape of a decoder-only transformer.
+
+  Attributes:
+    name: preset name.
+    n_layers: transformer layers.
+    d_model: E.
+    d_ff: F, the hidden width of the feed-forward block.
+    n_heads: N query heads.
+    head_dim: H.
+    n_kv_heads: K key/value heads (1 = multiquery, N = multihead, between = grouped).
+    vocab: V.
+    glu: gated feed-forward (SwiGLU/GeGLU): three E x F matrices instead of two.
+    tied_embeddings: the input embedding is reused as the output projection.
+    parallel_block: attention and feed-forward read the same normalised input and their
+      outputs are summed (PaLM), so a layer needs one input all-gather and one output
+      reduce-scatter instead of two of each (Pope et al. sec. 3.4).
+  """
+
+  name: str
+  n_layers: int
+  d_model: int
+  d_ff: int
+  n_heads: int
+  head_dim: int
+  n_kv_heads: int
+  vocab: int
+  glu: bool = False
+  tied_embeddings: bool = True
+  parallel_block: bool = False
+
+  def __post_init__(self):
+    for field in ('n_layers', 'd_model', 'd_ff', 'n_heads', 'head_dim', 'n_kv_heads', 'vocab'):
+      value = getattr(self, field)
+      if not (isinstance(value, int) and value > 0):
+        raise ValueError(f'ModelShape {self.name!r}: {field} must be a positive int, '
+                         f'got {value!r}.')
+
+  @property
+  def n_ffn_matrices(self) -> int:
+    return 3 if self.glu else 2
+
+  @property
+  def attn_params_per_layer(self) -> int:
+    """Q, K, V and output projections of one layer."""
+    e, h = self.d_model, self.head_dim
+    return e * h * (2 * self.n_heads + 2 * self.n_kv_heads)
+
+  @property
+  def ffn_params_per_layer(self) -> int:
+    return self.n_ffn_matrices * self.d_model * self.d_ff
+
+  @property
+  def layer_params(self) -> int:
+    return self.attn_params_per_layer + self.ffn_params_per_layer
+
+  @property
+  def embed_params(self) -> int:
+    """Embedding tables: one V x E table if tied, two otherwise."""
+    return self.vocab * self.d_model * (1 if self.tied_embeddings else 2)
+
+  @property
+  def n_params(self) -> int:
+    """All parameters; the N in MFU = 2 N tokens / (chips * peak * time)."""
+    return self.n_layers * self.layer_params + self.embed_params
+
+  @property
+  def head_params(self) -> int:
+    """The output projection (V x E), the only embedding matrix used in a matmul."""
+    return self.vocab * self.d_model
+
+  def kv_bytes_per_token(self, kv_bits: float = 16) -> float:
+    """KV-cache bytes one token of one sequence occupies over all layers: 2 K H layers b/8."""
+    return 2 * self.n_kv_heads * self.head_dim * self.n_layers * kv_bits / 8
+
+  def kv_cache_bytes(self, batch: int, seq_len: int, kv_bits: float = 16) -> float:
+    """KV-cache bytes for `batch` sequences of `seq_len` tokens (seed 000, sec. 4.2)."""
+    return batch * seq_len * self.kv_bytes_per_token(kv_bits)
+
+  def weight_bytes(self, weight_bits: float = 16) -> float:
+    """Bytes of all weights stored at `weight_bits` bits (scales not counted)."""
+    return self.n_params * weight_bits / 8
+
+  def padded(self, multiple: int) -> 'ModelShape':
+    """A copy with query heads rounded up to a multiple of `multiple`.
+
+    Pope et al. (sec. 4) padded PaLM 540B from 48 to 64 heads to shard them over 64 chips
+    (+18B parameters, ~3% MFU); the padded heads cost time and memory but do no useful work.
+    """
+    n_heads = math.ceil(self.n_heads / multiple) * multiple
+    return dataclasses.replace(self, n_heads=n_heads)
+
+
+# PaLM: Chowdhery et al. 2022, Table 1 (SwiGLU, multiquery, parallel block, shared embeddings,
+# d_ff = 4 d_model, vocab 256k). n_params: 8.63B, 62.50B, 540.35B.
+# Gemma 3 270M: see /work/shared/NOTES.md (GeGLU, 4 query heads sharing 1 kv head, serial block).
+MODELS = {
+    'palm_8b': ModelShape('palm_8b', n_layers=32, d_model=4096, d_ff=16384, n_heads=16,
+                          head_dim=256, n_kv_heads=1, vocab=256128, glu=True,
+                          parallel_block=True),
+    'palm_62b': ModelShape('palm_62b', n_layers=64, d_model=8192, d_ff=32768, n_heads=32,
+                           head_dim=256, n_kv_heads=1, vocab=256128, glu=True,
+                           parallel_block=True),
+    'palm_540b': ModelShape('palm_540b', n_layers=118, d_model=18432, d_ff=73728, n_heads=48,
+                            head_dim=256, n_kv_heads=1, vocab=256128, glu=True,
+                            parallel_block=True),
+    'gemma3_270m': ModelShape('gemma3_270m', n_layers=18, d_model=640, d_ff=2048, n_heads=4,
+                              head_dim=256, n_kv_heads=1, vocab=262144, glu=True),
+}
+
+
+def get_model(model: 'str | ModelShape') -> ModelShape:
+  """Returns a model preset by name (e.g. 'palm_540b'); a `ModelShape` passes through."""
+  if isinstance(model, ModelShape):
+    return model
+  return _names.lookup('model preset', model, MODELS)

@@ -1,0 +1,28 @@
+"""Flax NNX transformer layers, the KV cache, and quantization policies (rules -> layers).
+
+    from qjax.nn import TransformerConfig, Transformer, init_cache
+    model = Transformer(TransformerConfig.tiny(), rngs=nnx.Rngs(0))
+    logits_BTV = model(tokens_BT)                              # full causal forward
+    logits_BTV, cache = model(prompt_BT, cache=init_cache(cfg, B, S))   # prefill, then decode
+    qmodel, report = quantize_model(model, QuantPolicy((QuantRule('.*', int_format(8)),)))
+"""
+
+__all__ = [
+    "Attention", "Block", "Einsum", "Embed", "KVCache", "LayerReport", "MLP", "QWeight",
+    "QuantPolicy", "QuantReport", "QuantRule", "RMSNorm", "Transformer", "TransformerConfig",
+    "apply_fake_quant", "apply_rope", "attend", "attention_mask", "einsum_layers",
+    "greedy_generate", "greedy_step", "init_cache", "model_report", "num_params",
+    "param_count", "quantize_model", "resolve_format", "weight_bytes",
+]
+
+from qjax.nn.attention import Attention, attend, attention_mask
+from qjax.nn.config import TransformerConfig, num_params
+from qjax.nn.generate import greedy_generate, greedy_step
+from qjax.nn.kvcache import KVCache, init_cache
+from qjax.nn.layers import Einsum, Embed, QWeight, RMSNorm
+from qjax.nn.policy import (QuantPolicy, QuantRule, apply_fake_quant, quantize_model,
+                            resolve_format)
+from qjax.nn.report import (LayerReport, QuantReport, einsum_layers, model_report, param_count,
+                            weight_bytes)
+from qjax.nn.rope import apply_rope
+from qjax.nn.transformer import MLP, Block, Transformer

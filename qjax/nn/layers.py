@@ -1,0 +1,149 @@
+"""Thin NNX layers: `Einsum` (every projection), `Embed`, `RMSNorm`, and the `QWeight` variable.
+
+Every weight is an `nnx.Param` whose `out_sharding` metadata holds its logical axis names
+(`qjax.nn.axes`), created with `eager_sharding=False` so that building a model needs no mesh;
+a layout maps the names to mesh axes later (`nnx.get_partition_spec`).
+
+Quantization never edits these classes' callers: `qjax.nn.policy` swaps an Einsum's `w` from
+a `Param` to a `QWeight` holding a `QArray` (then the forward is `qeinsum`), or sets
+`fake_fmt` (then the float weight is fake-quantized in the forward, for QAT).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qjax.core import QArray, QFormat, dequantize, fake_quant, qeinsum
+
+
+class QWeight(nnx.Variable):
+  """A quantized weight: its value is a `QArray` pytree (codes, scales, zero points).
+
+  Not an `nnx.Param`, so optimizers built with `wrt=nnx.Param` leave it alone. The logical
+  axes of the float weight it replaces are kept as `logical_axes` metadata (not
+  `out_sharding`: codes and scales have other ranks than the weight, so a layout must map
+  them explicitly).
+  """
+
+
+def parse_spec(spec: str) -> tuple[str, str, str]:
+  """'BTD,DNH->BTNH' -> ('BTD', 'DNH', 'BTNH'), with a clear error for other shapes."""
+  try:
+    ins, out = spec.replace(' ', '').split('->')
+    xs, ws = ins.split(',')
+  except ValueError:
+    raise ValueError(f"Einsum: spec {spec!r} must look like 'BTD,DF->BTF' (activations, "
+                     'weight, explicit output).') from None
+  return xs, ws, out
+
+
+class Einsum(nnx.Module):
+  """A projection `einsum(spec, x, w)`, activations first.
+
+  Attributes:
+    spec: e.g. 'BTD,DNH->BTNH'.
+    axes: logical axis names of the weight, one per weight letter.
+    w: `nnx.Param` (float) or `QWeight` (a QArray) after `quantize_model`.
+    act_fmt: activation format for W8A8 / fp8 (quantized weights only), or None.
+    path: qeinsum compute path for quantized weights ('auto', 'dequant', 'int8', 'fp8').
+    fake_fmt: a fully resolved QFormat fake-quantizing the float weight in the forward (QAT).
+  """
+
+  def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *,
+               rngs: nnx.Rngs, param_dtype='float32', stddev: Optional[float] = None):
+    xs, ws, out = parse_spec(spec)
+    if not len(ws) == len(shape) == len(axes):
+      raise ValueError(f'Einsum: spec {spec!r} names {len(ws)} weight axes but shape={shape} '
+                       f'and axes={axes}; give one size and one logical name per letter.')
+    self.spec = spec
+    self.axes = tuple(axes)
+    fan_in = math.prod(n for n, c in zip(shape, ws) if c in self.contracted_letters)
+    std = stddev if stddev is not None else fan_in ** -0.5
+    value = std * jax.random.normal(rngs.params(), shape, jnp.dtype(param_dtype))
+    self.w = nnx.Param(value, out_sharding=self.axes, eager_sharding=False)
+    self.act_fmt: Optional[QFormat] = None
+    self.path = 'auto'
+    self.fake_fmt: Optional[QFormat] = None
+
+  @property
+  def contracted_letters(self) -> str:
+    xs, ws, out = parse_spec(self.spec)
+    return ''.join(c for c in ws if c in xs and c not in out)
+
+  @property
+  def contracted_axes(self) -> tuple[int, ...]:
+    """Weight axes summed over (in weight order); the last one is where groups go."""
+    ws = parse_spec(self.spec)[1]
+    return tuple(i for i, c in enumerate(ws) if c in self.contracted_letters)
+
+  @property
+  def weight_shape(self) -> tuple[int, ...]:
+    w = self.w.get_value()
+    return tuple(w.shape)
+
+  @property
+  def quantized(self) -> bool:
+    return isinstance(self.w, QWeight)
+
+  def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
+    """`einsum(spec, x, w)` in x's dtype (or `out_dtype`)."""
+    w = self.w.get_value()
+    if isinstance(w, QArray):
+      return qeinsum(self.spec, x, w, act_fmt=self.act_fmt, path=self.path,
+                     out_dtype=out_dtype)
+    if self.fake_fmt is not None:
+      w = fake_quant(w, self.fake_fmt)
+    out_dtype = out_dtype or x.dtype
+    return jnp.einsum(self.spec, x, w.astype(x.dtype), preferred_element_type=out_dtype)
+
+
+class Embed(Einsum):
+  """The V x D embedding table; as an Einsum it is the tied LM head 'BTD,VD->BTV'."""
+
+  def __init__(self, vocab_size: int, d_model: int, axes: tuple[str, str], *,
+               rngs: nnx.Rngs, param_dtype='float32'):
+    super().__init__('BTD,VD->BTV', (vocab_size, d_model), axes, rngs=rngs,
+                     param_dtype=param_dtype, stddev=d_model ** -0.5)
+
+  def lookup(self, tokens_BT: jax.Array, dtype) -> jax.Array:
+    """Embedding rows of `tokens_BT` in `dtype`; a quantized table dequantizes only those rows."""
+    table = self.w.get_value()
+    if not isinstance(table, QArray):
+      if self.fake_fmt is not None:
+        table = fake_quant(table, self.fake_fmt)
+      return table[tokens_BT].astype(dtype)
+    return dequantize(_gather_rows(table, tokens_BT.reshape(-1)), dtype).reshape(
+        tokens_BT.shape + (table.shape[-1],))
+
+
+def _gather_rows(q: QArray, rows_M: jax.Array) -> QArray:
+  """Rows of a 2-d QArray as an (M, D) QArray; scales shared across rows are not gathered."""
+  def take(a):
+    if a is None or a.shape[0] == 1:  # per-tensor scale: one for every row
+      return a
+    return a[rows_M]
+  return QArray(q.data[rows_M], take(q.scale), take(q.zero_point), q.fmt, q.last_dim,
+                q.dtype_name)
+
+
+class RMSNorm(nnx.Module):
+  """`x / rms(x) * w` (or `* (1 + w)` with `plus_one`), over the last axis, in float32."""
+
+  def __init__(self, dim: int, axis_name: str, *, eps: float = 1e-6, plus_one: bool = False,
+               param_dtype='float32'):
+    init = jnp.zeros if plus_one else jnp.ones
+    self.scale = nnx.Param(init((dim,), jnp.dtype(param_dtype)), out_sharding=(axis_name,),
+                           eager_sharding=False)
+    self.eps = eps
+    self.plus_one = plus_one
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    w = self.scale[...].astype(jnp.float32)
+    return (y * (1.0 + w if self.plus_one else w)).astype(x.dtype)

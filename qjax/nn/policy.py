@@ -1,0 +1,253 @@
+"""Quantization policies: regex rules over module paths -> formats on `Einsum` layers.
+
+A `QuantPolicy` is an ordered tuple of `QuantRule`s; for each Einsum (paths as listed in
+`Transformer`'s docstring: 'embed', 'layers/3/attn/q_proj', 'lm_head', ...) the first rule
+whose `pattern` *fully* matches the path (`re.fullmatch`) decides; no match keeps it float.
+
+A rule's weight `QFormat` is a template: bits, kind, symmetry, `group_size`, `pow2_scale`,
+`scale_dtype` and calibration come from it, and the layer supplies the axes, because only
+the layer knows which of its weight axes are contracted:
+
+* `group_axis` = the weight's last contracted axis (D of 'DF', H of 'NHD');
+* `granularity='channel'` (default): one scale per index of every non-contracted axis
+  (per output channel; with `group_size`, per output channel and group);
+* `granularity='tensor'`: no channel axes (one scale, or one per group along the
+  contracted axis with `group_size`).
+
+So the template's own `channel_axes` must stay () (ValueError otherwise: set granularity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import warnings
+from typing import Mapping, Optional, Union
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qjax.core import QFormat, choose_path, nbytes, quantize
+from qjax.core.qarray import RangeArg
+from qjax.core.qdot import PATHS
+from qjax.nn.layers import Einsum, QWeight, parse_spec
+from qjax.nn.report import LayerReport, QuantReport, einsum_layers
+
+GRANULARITIES = ('channel', 'tensor')
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRule:
+  """Quantize the Einsums whose path fully matches `pattern`.
+
+  Attributes:
+    pattern: regex over module paths, matched with `re.fullmatch` (e.g. r'layers/\\d+/mlp/.*').
+    weight: weight format template (see the module docstring), required unless exempt.
+    act: activation format for W8A8 / fp8 x fp8 (its kind is used: activations are
+      quantized dynamically per token), or None for weight-only.
+    exempt: keep matching layers float (and stop later rules from matching them).
+    granularity: 'channel' or 'tensor' (module docstring).
+  """
+
+  pattern: str
+  weight: Optional[QFormat] = None
+  act: Optional[QFormat] = None
+  exempt: bool = False
+  granularity: str = 'channel'
+
+  def __post_init__(self):
+    try:
+      re.compile(self.pattern)
+    except re.error as e:
+      raise ValueError(f'QuantRule: pattern {self.pattern!r} is not a valid regex ({e}).') from None
+    if self.exempt:
+      if self.weight is not None or self.act is not None:
+        raise ValueError(f'QuantRule({self.pattern!r}): exempt=True keeps layers float; drop '
+                         'weight/act, or set exempt=False.')
+      return
+    if self.weight is None:
+      raise ValueError(f'QuantRule({self.pattern!r}): weight=None; give a weight QFormat, or '
+                       'exempt=True to keep the layers float (activation-only quantization '
+                       'is not supported).')
+    if self.weight.channel_axes:
+      raise ValueError(f'QuantRule({self.pattern!r}): the weight template sets channel_axes='
+                       f'{self.weight.channel_axes}, but each layer picks its own axes; drop '
+                       "channel_axes and use granularity='channel' or 'tensor'.")
+    if self.granularity not in GRANULARITIES:
+      raise ValueError(f'QuantRule({self.pattern!r}): granularity={self.granularity!r} is '
+                       f'unknown; use one of {GRANULARITIES}.')
+
+  def matches(self, path: str) -> bool:
+    return re.fullmatch(self.pattern, path) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantPolicy:
+  """Ordered rules (first match wins).
+
+  Attributes:
+    rules: the rules.
+    strict: raise (instead of warn) when a rule matches no layer.
+    path: qeinsum compute path for every quantized layer ('auto', 'dequant', 'int8', 'fp8').
+  """
+
+  rules: tuple[QuantRule, ...]
+  strict: bool = False
+  path: str = 'auto'
+
+  def __post_init__(self):
+    object.__setattr__(self, 'rules', tuple(self.rules))
+    if self.path not in PATHS:
+      raise ValueError(f'QuantPolicy: path={self.path!r} is unknown; use one of {PATHS}.')
+
+  def match(self, path: str) -> tuple[Optional[int], Optional[QuantRule]]:
+    """(index, rule) of the first rule matching `path`, or (None, None)."""
+    for i, rule in enumerate(self.rules):
+      if rule.matches(path):
+        return i, rule
+    return None, None
+
+
+def resolve_format(rule: QuantRule, layer: Einsum, path: str, compute: str = 'auto') -> QFormat:
+  """The rule's template with axes filled in for `layer` (module docstring)."""
+  shape = layer.weight_shape
+  contracted = layer.contracted_axes
+  if not contracted:
+    raise ValueError(f'quantize: layer {path!r} (spec {layer.spec!r}) contracts no weight '
+                     'axis; exempt it.')
+  group_axis = contracted[-1]
+  channel = () if rule.granularity == 'tensor' else tuple(
+      i for i in range(len(shape)) if i not in contracted)
+  g = rule.weight.group_size
+  if g is not None and shape[group_axis] % g:
+    letter = parse_spec(layer.spec)[1][group_axis]
+    raise ValueError(f'quantize: group_size={g} of rule {rule.pattern!r} does not divide '
+                     f'layer {path!r}: its contraction axis {letter} has {shape[group_axis]} '
+                     f'elements (weight shape {shape}). Use a group size dividing '
+                     f'{shape[group_axis]}, or a rule for this layer without groups.')
+  fmt = rule.weight.replace(channel_axes=channel, group_axis=group_axis)
+  try:
+    if compute == 'auto':
+      choose_path(fmt, rule.act)
+    elif compute != 'dequant' and (compute == 'int8') == fmt.is_float:
+      raise ValueError(f"path={compute!r} cannot multiply {fmt.name} weights; use 'dequant' "
+                       f"or '{'fp8' if fmt.is_float else 'int8'}'.")
+  except ValueError as e:
+    raise ValueError(f'quantize: layer {path!r}: {e}') from None
+  return fmt
+
+
+def _plan(model: nnx.Module, policy: QuantPolicy, mode: str):
+  """Per Einsum: (path, layer, fmt or None, reason); plus the rules that matched nothing."""
+  plan, used = [], set()
+  for path, layer in einsum_layers(model):
+    if layer.quantized:
+      raise ValueError(f'{mode}: layer {path!r} is already quantized; start from the float '
+                       'model.')
+    i, rule = policy.match(path)
+    if rule is None:
+      plan.append((path, layer, None, None, 'no rule matched'))
+      continue
+    used.add(i)
+    if rule.exempt:
+      plan.append((path, layer, None, None, f'exempt by rule {i} {rule.pattern!r}'))
+      continue
+    fmt = resolve_format(rule, layer, path, policy.path)
+    plan.append((path, layer, fmt, rule.act, f'rule {i} {rule.pattern!r}'))
+  unused = tuple(r for i, r in enumerate(policy.rules) if i not in used)
+  if unused:
+    msg = (f'{mode}: {len(unused)} rule(s) matched no layer: '
+           f'{[r.pattern for r in unused]}; layer paths look like '
+           f'{[p for p, *_ in plan][:3]} (patterns use re.fullmatch).')
+    if policy.strict:
+      raise ValueError(msg + ' Fix the patterns or pass strict=False.')
+    warnings.warn(msg)
+  return plan, unused
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize_jit(w, fmt, method):
+  return quantize(w, fmt, method)
+
+
+def _quantize_weight(w, fmt: QFormat, cal, path: str):
+  """`quantize`, jitted (one compile per shape and format, instead of op by op)."""
+  if not isinstance(w, jax.core.Tracer) and not bool(jnp.isfinite(w).all()):
+    raise ValueError(f'quantize_model: layer {path!r} has NaN/Inf weights; fix the checkpoint '
+                     'or exempt the layer.')
+  if isinstance(cal, tuple):  # a precomputed range: arrays, not a static method name
+    return quantize(w, fmt, cal)
+  return _quantize_jit(w, fmt, cal)
+
+
+def _float_bytes(layer: Einsum) -> int:
+  w = layer.w.get_value()
+  return int(w.size) * w.dtype.itemsize
+
+
+def quantize_model(model: nnx.Module, policy: QuantPolicy,
+                   calibration: Union[None, str, Mapping[str, RangeArg]] = None):
+  """A quantized copy of `model`; the float model is left untouched and usable.
+
+  Each matched Einsum's weight becomes a `QWeight` holding a `QArray` (real, packed codes),
+  and its forward becomes `qeinsum(spec, x, qarray, act_fmt=rule.act, path=policy.path)`.
+  `nnx.state(qmodel)` holds the QArrays' arrays, so Orbax saves and restores them.
+
+  Args:
+    model: a float model (e.g. `Transformer`).
+    policy: the rules.
+    calibration: how weight ranges are chosen: None (each format's `calibration`), a method
+      name for every layer ('absmax', 'mse', ...), or {path: method or precomputed (lo, hi)
+      in the grouped view} for some layers.
+
+  Returns:
+    (qmodel, QuantReport).
+  """
+  plan, unused = _plan(model, policy, 'quantize_model')
+  if isinstance(calibration, Mapping):
+    unknown = set(calibration) - {p for p, *_ in plan}
+    if unknown:
+      raise ValueError(f'quantize_model: calibration names unknown layers {sorted(unknown)}; '
+                       f'layer paths are {[p for p, *_ in plan]}.')
+  qmodel = nnx.clone(model)
+  qlayers = dict(einsum_layers(qmodel))
+  reports = []
+  for path, layer, fmt, act, reason in plan:
+    before = _float_bytes(layer)
+    if fmt is None:
+      reports.append(LayerReport(path, 'float', 'float', reason, layer.weight_shape, before,
+                                 before))
+      continue
+    cal = calibration.get(path) if isinstance(calibration, Mapping) else calibration
+    q = _quantize_weight(layer.w.get_value(), fmt, cal, path)
+    target = qlayers[path]
+    target.w = QWeight(q, logical_axes=layer.axes)
+    target.act_fmt = act
+    target.path = policy.path
+    reports.append(LayerReport(path, fmt.name, act.name if act else 'float', reason,
+                               layer.weight_shape, before, nbytes(q)))
+  return qmodel, QuantReport(tuple(reports), unused, 'quantize')
+
+
+def apply_fake_quant(model: nnx.Module, policy: QuantPolicy):
+  """A copy of `model` whose matched Einsums fake-quantize their float weights (QAT).
+
+  The forward pass sees exactly the weights `quantize_model` would store (same resolved
+  formats, straight-through gradients via `qjax.core.fake_quant`); weights stay `nnx.Param`
+  and train. Activation formats are recorded in the report but not simulated here.
+
+  Returns:
+    (model copy, QuantReport with bytes_after = bytes_before: the device still holds floats).
+  """
+  plan, unused = _plan(model, policy, 'apply_fake_quant')
+  fmodel = nnx.clone(model)
+  flayers = dict(einsum_layers(fmodel))
+  reports = []
+  for path, layer, fmt, act, reason in plan:
+    b = _float_bytes(layer)
+    flayers[path].fake_fmt = fmt
+    reports.append(LayerReport(path, fmt.name if fmt else 'float',
+                               act.name if act else 'float', reason, layer.weight_shape, b, b))
+  return fmodel, QuantReport(tuple(reports), unused, 'fake_quant')

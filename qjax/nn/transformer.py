@@ -1,0 +1,140 @@
+"""The decoder-only transformer: `MLP`, `Block`, `Transformer`.
+
+Calling convention (one method, two uses):
+
+* `model(tokens_BT)` / `model(tokens_BT, positions=positions_BT)` -> logits_BTV: a full
+  causal forward pass (training, scoring).
+* `model(tokens_BT, cache=cache)` -> (logits_BTV, new_cache): prefill (T = prompt length)
+  or incremental decode (T = 1, or more for speculative drafts) against a KV cache from
+  `init_cache`; positions continue from `cache.length`.
+
+Logits are float32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qjax.nn import axes
+from qjax.nn import kvcache
+from qjax.nn.attention import Attention, softcap
+from qjax.nn.config import TransformerConfig
+from qjax.nn.layers import Einsum, Embed, RMSNorm
+
+
+class MLP(nnx.Module):
+  """Gated MLP: down(act(gate(x)) * up(x)), act = silu (swiglu) or tanh-GELU (geglu)."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
+    self.gate_proj = Einsum('BTD,DF->BTF', (d, f), axes.WEIGHT_AXES['DF'], rngs=rngs,
+                            param_dtype=pd)
+    self.up_proj = Einsum('BTD,DF->BTF', (d, f), axes.WEIGHT_AXES['DF'], rngs=rngs,
+                          param_dtype=pd)
+    self.down_proj = Einsum('BTF,FD->BTD', (f, d), axes.WEIGHT_AXES['FD'], rngs=rngs,
+                            param_dtype=pd)
+    self.kind = cfg.mlp
+
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    gate_BTF = self.gate_proj(x_BTD)
+    if self.kind == 'swiglu':
+      gate_BTF = jax.nn.silu(gate_BTF)
+    else:
+      gate_BTF = jax.nn.gelu(gate_BTF, approximate=True)
+    return self.down_proj(gate_BTF * self.up_proj(x_BTD))
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block; with `post_norms`, outputs are normed again before the add."""
+
+  def __init__(self, cfg: TransformerConfig, layer: int, *, rngs: nnx.Rngs):
+    kw = dict(eps=cfg.rms_eps, plus_one=cfg.norm_plus_one, param_dtype=cfg.param_dtype)
+    self.pre_attn_norm = RMSNorm(cfg.d_model, axes.EMBED, **kw)
+    self.attn = Attention(cfg, layer, rngs=rngs)
+    self.pre_mlp_norm = RMSNorm(cfg.d_model, axes.EMBED, **kw)
+    self.mlp = MLP(cfg, rngs=rngs)
+    if cfg.post_norms:
+      self.post_attn_norm = RMSNorm(cfg.d_model, axes.EMBED, **kw)
+      self.post_mlp_norm = RMSNorm(cfg.d_model, axes.EMBED, **kw)
+    else:
+      self.post_attn_norm = self.post_mlp_norm = None
+
+  def __call__(self, x_BTD, positions_BT, cache=None):
+    h_BTD, cache = self.attn(self.pre_attn_norm(x_BTD), positions_BT, cache)
+    if self.post_attn_norm is not None:
+      h_BTD = self.post_attn_norm(h_BTD)
+    x_BTD = x_BTD + h_BTD
+    h_BTD = self.mlp(self.pre_mlp_norm(x_BTD))
+    if self.post_mlp_norm is not None:
+      h_BTD = self.post_mlp_norm(h_BTD)
+    return x_BTD + h_BTD, cache
+
+
+class Transformer(nnx.Module):
+  """Decoder-only transformer; see the module docstring for the calling convention.
+
+  Submodule paths (what `QuantRule.pattern` matches): 'embed', 'layers/{i}/attn/
+  {q,k,v,o}_proj', 'layers/{i}/mlp/{gate,up,down}_proj', and 'lm_head' when untied.
+  """
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    pd = config.param_dtype
+    self.embed = Embed(config.vocab_size, config.d_model, axes.WEIGHT_AXES['VD'], rngs=rngs,
+                       param_dtype=pd)
+    self.layers = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
+    self.final_norm = RMSNorm(config.d_model, axes.EMBED, eps=config.rms_eps,
+                              plus_one=config.norm_plus_one, param_dtype=pd)
+    if config.tie_embeddings:
+      self.lm_head = None
+    else:
+      self.lm_head = Einsum('BTD,DV->BTV', (config.d_model, config.vocab_size),
+                            axes.WEIGHT_AXES['DV'], rngs=rngs, param_dtype=pd)
+
+  def __call__(self, tokens_BT: jax.Array, cache: Optional[kvcache.KVCache] = None,
+               positions: Optional[jax.Array] = None):
+    """Logits of every position.
+
+    Args:
+      tokens_BT: int token ids.
+      cache: None for a full forward pass, or a KV cache to prefill / decode against.
+      positions: positions_BT for a cache-free pass (default 0..T-1); with a cache they are
+        `cache.length + 0..T-1` and passing them is an error.
+
+    Returns:
+      logits_BTV (float32) without a cache; (logits_BTV, new_cache) with one.
+    """
+    cfg = self.config
+    b, t = tokens_BT.shape
+    if cache is None:
+      if t > cfg.max_len:
+        raise ValueError(f'Transformer: a sequence of {t} tokens is longer than '
+                         f'config.max_len={cfg.max_len}; truncate it or raise max_len.')
+      if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    else:
+      if positions is not None:
+        raise ValueError('Transformer: positions with a cache are cache.length + 0..T-1; '
+                         'pass positions=None.')
+      if cache.batch != b or cache.num_layers != cfg.num_layers:
+        raise ValueError(f'Transformer: cache has batch {cache.batch} and {cache.num_layers} '
+                         f'layers, tokens have batch {b} and the model {cfg.num_layers} '
+                         'layers; build it with init_cache(config, batch).')
+      kvcache.check_fits(cache, t)
+      positions = kvcache.next_positions(cache, t)
+
+    x_BTD = self.embed.lookup(tokens_BT, cfg.compute_dtype)
+    if cfg.embed_scale:
+      x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, cfg.compute_dtype)
+    for block in self.layers:
+      x_BTD, cache = block(x_BTD, positions, cache)
+    x_BTD = self.final_norm(x_BTD)
+    head = self.embed if self.lm_head is None else self.lm_head
+    logits_BTV = softcap(head(x_BTD, out_dtype=jnp.float32), cfg.final_logit_softcap)
+    if cache is None:
+      return logits_BTV
+    return logits_BTV, kvcache.advance(cache, t)

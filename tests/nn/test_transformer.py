@@ -1,0 +1,135 @@
+"""The transformer: cached decode == full forward, causality, windows, errors, jit, training."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from absl.testing import parameterized
+from flax import nnx
+
+from qjax.nn import Transformer, TransformerConfig, greedy_generate, init_cache
+
+CONFIGS = {
+    'mha': dict(num_kv_heads=4),
+    'gqa': dict(),
+    'mqa': dict(num_kv_heads=1, tie_embeddings=False),
+    'gemma_like': dict(num_layers=3, num_kv_heads=1, sliding_window=3, global_every=3,
+                       local_rope_base=100.0, qk_norm=True, post_norms=True, mlp='geglu',
+                       norm_plus_one=True, embed_scale=True, final_logit_softcap=5.0,
+                       attn_logit_softcap=20.0),
+    'all_local': dict(sliding_window=4),
+}
+
+
+def _tokens(b, t, seed=0, vocab=256):
+  return jax.random.randint(jax.random.key(seed), (b, t), 0, vocab)
+
+
+class DecodeTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(*[(k, k) for k in CONFIGS])
+  def test_incremental_decode_matches_full_forward(self, name):
+    cfg = TransformerConfig.tiny(**CONFIGS[name])
+    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    full = self.variant(lambda s, tok: nnx.merge(graphdef, s)(tok))
+    step = self.variant(lambda s, tok, c: nnx.merge(graphdef, s)(tok, cache=c))
+    tokens = _tokens(2, 10)
+    expected = full(state, tokens)
+    cache = init_cache(cfg, 2, 12)
+    got, cache = step(state, tokens[:, :5], cache)  # prefill
+    chunks = [got]
+    for i in range(5, 8):  # one token at a time
+      logits, cache = step(state, tokens[:, i:i + 1], cache)
+      chunks.append(logits)
+    logits, cache = step(state, tokens[:, 8:], cache)  # a 2-token chunk
+    chunks.append(logits)
+    assert int(cache.length) == 10
+    np.testing.assert_allclose(jnp.concatenate(chunks, 1), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope='module')
+def gqa_model():
+  return Transformer(TransformerConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+def test_changing_a_future_token_leaves_past_logits(gqa_model):
+  tokens = _tokens(1, 8)
+  a = gqa_model(tokens)
+  b = gqa_model(tokens.at[0, 5].set((tokens[0, 5] + 1) % 256))
+  np.testing.assert_array_equal(a[:, :5], b[:, :5])
+  assert not np.allclose(a[:, 5:], b[:, 5:])
+
+
+def test_token_beyond_the_window_does_not_reach_a_local_layer():
+  # One local layer with window 3: position t sees positions t-2..t only.
+  cfg = TransformerConfig.tiny(num_layers=1, sliding_window=3)
+  model = Transformer(cfg, rngs=nnx.Rngs(1))
+  tokens = _tokens(1, 8)
+  a = model(tokens)
+  b = model(tokens.at[0, 1].set((tokens[0, 1] + 1) % 256))
+  assert not np.allclose(a[:, 1:4], b[:, 1:4])  # positions 1..3 see position 1
+  np.testing.assert_array_equal(a[:, 4:], b[:, 4:])
+  glob = Transformer(cfg.replace(sliding_window=None), rngs=nnx.Rngs(1))
+  assert not np.allclose(glob(tokens)[:, 4:], glob(tokens.at[0, 1].set(0))[:, 4:])
+
+
+def test_too_long_prompts_raise_naming_both_lengths(gqa_model):
+  cfg = gqa_model.config
+  with pytest.raises(ValueError, match=f'65 tokens is longer than config.max_len={cfg.max_len}'):
+    gqa_model(_tokens(1, 65))
+  with pytest.raises(ValueError, match='prompt of 9 tokens is longer than the cache max_len=8'):
+    gqa_model(_tokens(1, 9), cache=init_cache(cfg, 1, 8))
+  _, cache = gqa_model(_tokens(1, 6), cache=init_cache(cfg, 1, 8))
+  with pytest.raises(ValueError, match='6 cached \\+ 3 new tokens exceed the cache max_len=8'):
+    gqa_model(_tokens(1, 3), cache=cache)
+  with pytest.raises(ValueError, match='max_len=100 must be in'):
+    init_cache(cfg, 1, 100)
+  with pytest.raises(ValueError, match='positions=None'):
+    gqa_model(_tokens(1, 3), cache=init_cache(cfg, 1, 8), positions=jnp.zeros((1, 3), int))
+
+
+def test_jit_forward_and_explicit_positions(gqa_model):
+  tokens = _tokens(2, 6)
+  jitted = nnx.jit(lambda m, t: m(t))(gqa_model, tokens)
+  np.testing.assert_allclose(jitted, gqa_model(tokens), atol=1e-5)
+  shifted = gqa_model(tokens, positions=jnp.broadcast_to(jnp.arange(6) + 3, (2, 6)))
+  np.testing.assert_allclose(shifted, gqa_model(tokens), atol=1e-4)  # RoPE is relative
+
+
+def test_greedy_generate_matches_teacher_forced_argmax(gqa_model):
+  prompt = _tokens(2, 4, seed=3)
+  out = greedy_generate(gqa_model, prompt, 4)
+  assert out.shape == (2, 8)
+  np.testing.assert_array_equal(out[:, :4], prompt)
+  logits = gqa_model(out[:, :-1])
+  np.testing.assert_array_equal(jnp.argmax(logits[:, 3:], -1), out[:, 4:])
+  with pytest.raises(ValueError, match='exceeds config.max_len=64'):
+    greedy_generate(gqa_model, prompt, 61)
+
+
+def test_one_adamw_step_decreases_loss_on_a_repeated_batch():
+  model = Transformer(TransformerConfig.tiny(), rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+  tokens = _tokens(4, 16, seed=5)
+
+  def loss_fn(m):
+    logits = m(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  @nnx.jit
+  def train_step(m, opt):
+    loss, grads = nnx.value_and_grad(loss_fn)(m)
+    opt.update(m, grads)
+    return loss
+
+  losses = [float(train_step(model, optimizer)) for _ in range(3)]
+  assert losses[2] < losses[1] < losses[0], losses
+
+
+def test_bfloat16_compute_runs():
+  cfg = TransformerConfig.tiny(dtype='bfloat16')
+  logits = Transformer(cfg, rngs=nnx.Rngs(0))(_tokens(1, 4))
+  assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
