@@ -173,8 +173,9 @@ def shard_plan(model: _models.ModelShape, mesh: Mesh, layout: Layout, batch: int
         f'but batch={batch} is not divisible by {mesh.size(gather)}. Use a batch that is a '
         f'multiple of {mesh.size(gather)}, or a layout whose group divides it: '
         f'{fits + ["1d_ws", "2d_ws"]}.')
-  # Weight-stationary layouts reduce-scatter the QKV projection into the heads over all
-  # chips (Pope et al. always scatter into the hidden dimension), so heads split x*y*z ways.
+  # Heads split over the model-parallel axes: all of them for weight-stationary layouts
+  # (2D reduce-scatters the QKV projection over x into the heads too, as Pope et al. always
+  # scatter into the hidden dimension), the non-gathered ones for weight-gathered layouts.
   head_axes = model_axes
   n_head_groups = mesh.size(head_axes)
   if layout.attn == 'multihead' and model.n_kv_heads % n_head_groups:
@@ -201,7 +202,7 @@ def shard_plan(model: _models.ModelShape, mesh: Mesh, layout: Layout, batch: int
     kv_batch_axes = gather
     kv_shards = mesh.size(gather)
   else:
-    kv_batch_axes = _mq_batch_group(mesh, layout, batch, gather)
+    kv_batch_axes = _mq_batch_group(mesh, batch, gather)
     kv_shards = mesh.size(kv_batch_axes)
     a2a_axes = tuple(a for a in kv_batch_axes if a not in gather)
   return ShardPlan(model=model, gather_axes=gather, model_axes=model_axes, head_axes=head_axes,
@@ -224,7 +225,7 @@ def _check_not_degenerate(mesh: Mesh, layout: Layout) -> None:
           f'mesh with {axis} > 1 or the weight-gathered layout over fewer axes.')
 
 
-def _mq_batch_group(mesh: Mesh, layout: Layout, batch: int, gather: tuple) -> tuple:
+def _mq_batch_group(mesh: Mesh, batch: int, gather: tuple) -> tuple:
   """The largest batch group for 'mq_batch' that divides `batch` and contains `gather`."""
   candidates = [g for g in _MQ_BATCH_GROUPS if set(gather) <= set(g)] + [gather]
   for group in candidates:
