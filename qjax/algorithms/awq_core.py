@@ -17,6 +17,7 @@ shrinks each scale group's range (llm-awq's `auto_clip`) on the already scaled w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple, Optional
 
@@ -186,4 +187,5 @@ def awq_search(w_DF: jax.Array, act_absmean_D: jax.Array, h_DD: jax.Array, fmt: 
     err_c = float(output_error(w - dequantize(qc) / s[:, None], h))
     if err_c < err:
       q, err = qc, err_c
+  q = dataclasses.replace(q, dtype_name=jnp.dtype(w_DF.dtype).name)
   return AWQResult(q, s, best_alpha, err, errors)

@@ -159,7 +159,8 @@ def gptq_quantize(w_DF: jax.Array, h_DD: jax.Array, fmt: QFormat, *, damp: float
     fmt: integer weight format, e.g. `int_format(4, group_size=128, channel_axes=(1,))`;
       groups run along D, per-channel scales along F.
     damp: added to H's diagonal as a fraction of its mean diagonal (GPTQ's percdamp).
-    block_size: rows per lazy-update block (speed only; the math does not depend on it).
+    block_size: rows per lazy-update block (speed only: the math does not depend on it,
+      up to float rounding).
     act_order: sweep rows by decreasing H_jj (most active input first); groups stay the
       contiguous runs of the original order, see the module docstring.
 

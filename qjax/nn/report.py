@@ -95,6 +95,13 @@ def einsum_layers(model: nnx.Module) -> list[tuple[str, Einsum]]:
           if isinstance(node, Einsum)]
 
 
+def format_name(q: QArray) -> str:
+  """The format's name with axes counted from the front, as the policy report shows it."""
+  nd, fmt = q.ndim, q.fmt
+  return fmt.replace(channel_axes=tuple(a % nd for a in fmt.channel_axes),
+                     group_axis=fmt.group_axis % nd).name
+
+
 def _array_bytes(tree) -> int:
   return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
@@ -126,7 +133,8 @@ def model_report(model: nnx.Module) -> str:
   for path, layer in einsum_layers(model):
     w = layer.w.get_value()
     if isinstance(w, QArray):
-      fmt, b = w.fmt.name + (f' x act {layer.act_fmt.name}' if layer.act_fmt else ''), nbytes(w)
+      fmt = format_name(w) + (f' x act {layer.act_fmt.name}' if layer.act_fmt else '')
+      b = nbytes(w)
     else:
       fmt = 'float' if layer.fake_fmt is None else f'fake {layer.fake_fmt.name}'
       b = int(w.size) * w.dtype.itemsize

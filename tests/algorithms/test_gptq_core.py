@@ -69,6 +69,8 @@ def test_hessian_streams_in_batches():
     int_format(4, group_size=128, channel_axes=(1,), symmetric=False),
     int_format(2, group_size=32),  # groups shared across F
     int_format(8),  # one scale for the tensor
+    int_format(4, group_size=32, channel_axes=(1,), calibration='mse', calibration_arg=20),
+    int_format(4, group_size=32, channel_axes=(1,), pow2_scale=True, scale_dtype='bfloat16'),
 ], ids=lambda f: f.name)
 def test_identity_hessian_is_rtn_exactly(fmt):
   w = weight(256, 96)
@@ -82,7 +84,8 @@ def test_identity_hessian_is_rtn_exactly(fmt):
 
 @pytest.mark.parametrize('act_order', [False, True])
 @pytest.mark.parametrize('fmt', [int_format(3, group_size=16, channel_axes=(1,)),
-                                 int_format(4, channel_axes=(1,), symmetric=False)],
+                                 int_format(4, channel_axes=(1,), symmetric=False),
+                                 int_format(2, group_size=32)],
                          ids=lambda f: f.name)
 def test_matches_unblocked_reference(act_order, fmt):
   # D = 96 with 40-row blocks: padding, groups straddling blocks, act-order permutation.
@@ -92,8 +95,8 @@ def test_matches_unblocked_reference(act_order, fmt):
   w = weight(96, 48, seed=4)
   q = gptq_quantize(w, h, fmt, block_size=40, act_order=act_order)
   ref = _naive_gptq(w, h, fmt, act_order=act_order)
-  # float32 vs float64 can flip a code at a rounding tie, which then nudges later rows.
-  assert np.mean(np.asarray(q.codes()) == ref) > 0.99
+  # Identical on this data; float32 vs float64 could flip a code at a rounding tie.
+  assert np.mean(np.asarray(q.codes()) == ref) > 0.999
 
 
 def test_block_size_does_not_change_the_math(corr):
@@ -101,7 +104,7 @@ def test_block_size_does_not_change_the_math(corr):
   fmt = int_format(4, group_size=32, channel_axes=(1,))
   a = gptq_quantize(w, h, fmt, block_size=128).codes()
   b = gptq_quantize(w, h, fmt, block_size=48).codes()
-  assert np.mean(np.asarray(a) == np.asarray(b)) > 0.99
+  assert np.mean(np.asarray(a) == np.asarray(b)) > 0.999
 
 
 @pytest.mark.parametrize('bits', [3, 4])

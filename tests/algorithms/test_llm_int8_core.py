@@ -1,7 +1,6 @@
 """LLM.int8(): threshold 0 is the float product, outlier features stay in float, jit."""
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,0 +1,73 @@
+"""Results as a Markdown table and a perplexity-vs-bytes plot."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+COLUMNS = (('name', 'point'), ('method', 'method'), ('weight_format', 'format'),
+           ('ppl', 'val ppl'), ('ppl_delta', 'Δ ppl'), ('max_abs_logit_diff', 'max |Δlogit|'),
+           ('mean_abs_logit_diff', 'mean |Δlogit|'), ('greedy_agreement', 'greedy agree'),
+           ('weight_bytes', 'weight bytes'), ('bytes_ratio', 'bytes/float'),
+           ('seconds', 'time s'), ('status', 'status'))
+
+
+def _fmt(v):
+  if isinstance(v, float):
+    return f'{v:.4g}'
+  return '' if v is None else str(v)
+
+
+def markdown_table(rows: Sequence[dict], columns=COLUMNS) -> str:
+  """A Markdown table of result rows; columns missing from every row are left out."""
+  cols = [(k, h) for k, h in columns if any(k in r for r in rows)]
+  lines = ['| ' + ' | '.join(h for _, h in cols) + ' |',
+           '|' + '|'.join('---' for _ in cols) + '|']
+  for r in rows:
+    lines.append('| ' + ' | '.join(_fmt(r.get(k)) for k, _ in cols) + ' |')
+  return '\n'.join(lines)
+
+
+def plot_ppl_vs_bytes(rows: Sequence[dict], path: str, title: str = '',
+                      baseline: dict | None = None) -> str:
+  """Perplexity vs weight bytes, one marker per weight format, one colour per method.
+
+  Args:
+    rows: results with 'ppl', 'weight_bytes', 'weight_format' and optionally 'method'.
+    path: PNG path to write.
+    title: plot title.
+    baseline: optional {'ppl': .., 'weight_bytes': ..} of the float model (drawn as a star).
+
+  Returns:
+    The path written.
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  ok = [r for r in rows if r.get('status', 'ok') == 'ok' and 'ppl' in r]
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  markers = 'osD^v<>phX*P'
+  fmts = sorted({r['weight_format'] for r in ok})
+  methods = sorted({r.get('method', '') for r in ok})
+  colors = plt.rcParams['axes.prop_cycle'].by_key()['color']
+  for mi, m in enumerate(methods):
+    pts = sorted((r for r in ok if r.get('method', '') == m), key=lambda r: r['weight_bytes'])
+    ax.plot([r['weight_bytes'] / 1e6 for r in pts], [r['ppl'] for r in pts], '-',
+            color=colors[mi % len(colors)], alpha=0.35)
+    for r in pts:
+      ax.scatter(r['weight_bytes'] / 1e6, r['ppl'], color=colors[mi % len(colors)],
+                 marker=markers[fmts.index(r['weight_format']) % len(markers)], s=50,
+                 label=f"{m} {r['weight_format']}".strip())
+  if baseline:
+    ax.scatter(baseline['weight_bytes'] / 1e6, baseline['ppl'], marker='*', s=180,
+               color='black', label='float')
+  ax.set_xlabel('weight bytes (MB, as stored on the device)')
+  ax.set_ylabel('validation perplexity')
+  ax.set_title(title)
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
