@@ -49,11 +49,15 @@ def make_policy(q) -> QuantPolicy:
   return QuantPolicy(tuple(rules), path=q.path)
 
 
-def point_name(q) -> str:
+def format_label(q) -> str:
+  """Short weight-format label of a quant config, e.g. 'int4-g128', 'int8-channel-asym'."""
   g = f'g{q.group_size}' if q.group_size else q.granularity
   kind = f'int{q.bits}' if q.kind == 'int' else f'fp8{q.kind}'
-  s = f'{q.method}-{kind}-{g}' + ('' if q.symmetric else '-asym')
-  return s + ('' if q.act == 'none' else f'-a{q.act}')
+  return f'{kind}-{g}' + ('' if q.symmetric else '-asym')
+
+
+def point_name(q) -> str:
+  return f'{q.method}-{format_label(q)}' + ('' if q.act == 'none' else f'-a{q.act}')
 
 
 class FloatReference:
@@ -80,7 +84,7 @@ def quantize_and_evaluate(ref: FloatReference, q, out_dir: str, base_hash: str,
   ppl = qeval.perplexity(qmodel, ref.windows, ref.e.batch)
   qlogits = qeval.logits(qmodel, ref.ref_tokens)
   row = {'name': point_name(q), 'method': q.method,
-         'weight_format': next((l.weight for l in report.layers if l.quantized), 'float'),
+         'weight_format': format_label(q),
          'ppl': ppl['ppl'], 'float_ppl': ref.ppl['ppl'], 'ppl_delta': ppl['ppl'] - ref.ppl['ppl'],
          'eval_tokens': ppl['tokens'], **qeval.logit_diff(ref.logits, qlogits),
          'kl': qeval.kl_divergence(ref.logits, qlogits),

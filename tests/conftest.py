@@ -19,3 +19,20 @@ def eight_devices():
   devs = jax.devices()
   assert len(devs) == 8, f'expected 8 simulated devices (XLA_FLAGS), got {len(devs)}'
   return devs
+
+
+@pytest.fixture(scope='session')
+def shared_data():
+  """../shared/data next to the repository (CI lays shared/ beside the clone)."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).resolve().parents[1]
+  for cand in (root.parent / 'shared' / 'data', pathlib.Path('/work/shared/data')):
+    if cand.is_dir():
+      return cand
+  raise FileNotFoundError('../shared/data not found beside the repository')
+
+
+@pytest.fixture(scope='session')
+def repo_root():
+  import pathlib  # pylint: disable=g-import-not-at-top
+  return pathlib.Path(__file__).resolve().parents[1]

@@ -199,7 +199,8 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
 
 def nbytes(q: QArray) -> int:
   """Bytes the device holds for `q`: codes (as packed) + scales + zero points."""
-  return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(q))
+  # shape/dtype only (not .size): flax's repr swaps leaves for placeholder objects.
+  return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(q))
 
 
 def estimate_nbytes(shape: Sequence[int], fmt: QFormat) -> dict:

@@ -3,6 +3,7 @@
 from qjax.eval.metrics import (greedy_agreement, kl_divergence, logit_diff, logits, perplexity,
                                unigram_perplexity)
 from qjax.eval.report import markdown_table, plot_ppl_vs_bytes
+from qjax.eval.sweep import append_result, read_results, run_sweep
 
-__all__ = ['greedy_agreement', 'kl_divergence', 'logit_diff', 'logits', 'markdown_table',
+__all__ = ['append_result', 'read_results', 'run_sweep', 'greedy_agreement', 'kl_divergence', 'logit_diff', 'logits', 'markdown_table',
            'perplexity', 'plot_ppl_vs_bytes', 'unigram_perplexity']

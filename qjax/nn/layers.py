@@ -7,18 +7,46 @@ a layout maps the names to mesh axes later (`nnx.get_partition_spec`).
 Quantization never edits these classes' callers: `qjax.nn.policy` swaps an Einsum's `w` from
 a `Param` to a `QWeight` holding a `QArray` (then the forward is `qeinsum`), or sets
 `fake_fmt` (then the float weight is fake-quantized in the forward, for QAT).
+
+Calibration reads layer inputs the same way, without editing callers: inside
+`with tap_inputs(fn):` every Einsum call first runs `fn(layer, x)` (`qjax.algorithms.calibrate`
+streams statistics from it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from qjax.core import QArray, QFormat, dequantize, fake_quant, qeinsum
+
+
+_TAPS: list = []  # active `tap_inputs` callbacks
+
+
+@contextlib.contextmanager
+def tap_inputs(fn: Callable[['Einsum', jax.Array], None]):
+  """Call `fn(layer, x)` with the input of every Einsum call made inside the `with` block.
+
+  Taps run when the Python forward runs: eagerly, or once while tracing (then `x` is a
+  tracer). An Einsum subclass that overrides `__call__` calls `notify_taps` first.
+  """
+  _TAPS.append(fn)
+  try:
+    yield fn
+  finally:
+    _TAPS.remove(fn)
+
+
+def notify_taps(layer: 'Einsum', x: jax.Array) -> None:
+  """Pass one Einsum input to the active taps (a no-op outside `tap_inputs`)."""
+  for fn in tuple(_TAPS):
+    fn(layer, x)
 
 
 class QWeight(nnx.Variable):
@@ -50,13 +78,13 @@ class Einsum(nnx.Module):
     axes: logical axis names of the weight, one per weight letter.
     w: `nnx.Param` (float) or `QWeight` (a QArray) after `quantize_model`.
     act_fmt: activation format for W8A8 / fp8 (quantized weights only), or None.
-    path: qeinsum compute path for quantized weights ('auto', 'dequant', 'int8', 'fp8').
+    compute_path: qeinsum `path` for quantized weights ('auto', 'dequant', 'int8', 'fp8').
     fake_fmt: a fully resolved QFormat fake-quantizing the float weight in the forward (QAT).
   """
 
   def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *,
                rngs: nnx.Rngs, param_dtype='float32', stddev: Optional[float] = None):
-    xs, ws, out = parse_spec(spec)
+    ws = parse_spec(spec)[1]
     if not len(ws) == len(shape) == len(axes):
       raise ValueError(f'Einsum: spec {spec!r} names {len(ws)} weight axes but shape={shape} '
                        f'and axes={axes}; give one size and one logical name per letter.')
@@ -67,7 +95,7 @@ class Einsum(nnx.Module):
     value = std * jax.random.normal(rngs.params(), shape, jnp.dtype(param_dtype))
     self.w = nnx.Param(value, out_sharding=self.axes, eager_sharding=False)
     self.act_fmt: Optional[QFormat] = None
-    self.path = 'auto'
+    self.compute_path = 'auto'
     self.fake_fmt: Optional[QFormat] = None
 
   @property
@@ -92,9 +120,10 @@ class Einsum(nnx.Module):
 
   def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
     """`einsum(spec, x, w)` in x's dtype (or `out_dtype`)."""
+    notify_taps(self, x)
     w = self.w.get_value()
     if isinstance(w, QArray):
-      return qeinsum(self.spec, x, w, act_fmt=self.act_fmt, path=self.path,
+      return qeinsum(self.spec, x, w, act_fmt=self.act_fmt, path=self.compute_path,
                      out_dtype=out_dtype)
     if self.fake_fmt is not None:
       w = fake_quant(w, self.fake_fmt)

@@ -140,7 +140,7 @@ def resolve_format(rule: QuantRule, layer: Einsum, path: str, compute: str = 'au
 
 
 def _plan(model: nnx.Module, policy: QuantPolicy, mode: str):
-  """Per Einsum: (path, layer, fmt or None, reason); plus the rules that matched nothing."""
+  """Per Einsum (path, layer, fmt or None, act or None, reason), and the unused rules."""
   plan, used = [], set()
   for path, layer in einsum_layers(model):
     if layer.quantized:
@@ -225,7 +225,7 @@ def quantize_model(model: nnx.Module, policy: QuantPolicy,
     target = qlayers[path]
     target.w = QWeight(q, logical_axes=layer.axes)
     target.act_fmt = act
-    target.path = policy.path
+    target.compute_path = policy.path
     reports.append(LayerReport(path, fmt.name, act.name if act else 'float', reason,
                                layer.weight_shape, before, nbytes(q)))
   return qmodel, QuantReport(tuple(reports), unused, 'quantize')

@@ -36,7 +36,8 @@ class RopeTest(chex.TestCase):
     q = jax.random.normal(kq, (1, 1, 1, 32))
     k = jax.random.normal(kk, (1, 1, 1, 32))
     def score(m, n):
-      return jnp.sum(apply_rope(q, jnp.full((1, 1), m), 1e4) * apply_rope(k, jnp.full((1, 1), n), 1e4))
+      rotate = lambda x, p: apply_rope(x, jnp.full((1, 1), p), 1e4)
+      return jnp.sum(rotate(q, m) * rotate(k, n))
     np.testing.assert_allclose(score(7, 3), score(104, 100), rtol=1e-4)
     np.testing.assert_allclose(score(0, 5), score(20, 25), rtol=1e-4)
     assert abs(score(7, 3) - score(7, 4)) > 1e-3

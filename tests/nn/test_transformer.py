@@ -15,7 +15,7 @@ CONFIGS = {
     'mha': dict(num_kv_heads=4),
     'gqa': dict(),
     'mqa_all_local': dict(num_kv_heads=1, tie_embeddings=False, sliding_window=4),
-    'gemma_like': dict(num_layers=3, num_kv_heads=1, sliding_window=3, global_every=3,
+    'gemma_like': dict(num_kv_heads=1, sliding_window=3, global_every=2,
                        local_rope_base=100.0, qk_norm=True, post_norms=True, mlp='geglu',
                        norm_plus_one=True, embed_scale=True, final_logit_softcap=5.0,
                        attn_logit_softcap=20.0),

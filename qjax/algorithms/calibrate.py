@@ -1,0 +1,272 @@
+"""Calibration plumbing shared by the PTQ integrations: token sets, weight views, statistics.
+
+* `calibration_batches` / `token_facts`: the calibration token set, checked and hashed.
+* `EinsumView`: an Einsum weight as the `w_DF` matrix the `*_core` math takes. D (rows) are
+  the contracted elements, F (columns) the output elements. Rows are ordered group by group,
+  so that a group of the policy's format (which spans every contracted axis but the last and
+  `group_size` consecutive elements of the last, e.g. the same H-slice of every head of an
+  'NHD' o_proj) is a contiguous run of rows; `to_qarray` maps a 2-D result back to exactly
+  the QArray layout `quantize_model` stores.
+* `collect_stats`: runs a forward function over batches with a tap on chosen Einsums
+  (`qjax.nn.layers.tap_inputs`, no model code edited) and streams, per layer input, the
+  Hessian 2 X^T X / n, mean |x|, max |x| and the LLM.int8() 8-bit fraction. Memory is
+  O(rows^2) per layer, whatever the number of batches.
+
+Statistics are indexed by *natural* rows: the contracted axes in weight order, flattened
+(e.g. (N, H) of o_proj); `EinsumView.row_perm` reorders them to the view's rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+from typing import Callable, Iterable, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qjax.algorithms.awq_core import absmean_update
+from qjax.algorithms.gptq_core import hessian_update
+from qjax.core import QArray, QFormat, grouped_view_shape, pack, quantize
+from qjax.core.formats import normalize_axis
+from qjax.nn.layers import Einsum, parse_spec, tap_inputs
+
+STATS = ('hessian', 'absmean', 'absmax', 'int8_frac')
+
+
+# ---- the calibration token set ----------------------------------------------------------
+def calibration_batches(tokens, vocab_size: int, max_len: int, batch_size: int) -> list:
+  """Check a [n, T] calibration token array and split it into batches of sequences."""
+  t = np.asarray(tokens)
+  if t.ndim != 2 or t.size == 0 or not np.issubdtype(t.dtype, np.integer):
+    raise ValueError(f'calibration tokens: expected a non-empty [n, T] integer array, got '
+                     f'dtype {t.dtype} shape {t.shape}; pass token ids, e.g. windows of the '
+                     'training text.')
+  if t.min() < 0 or t.max() >= vocab_size:
+    raise ValueError(f'calibration tokens: ids span [{t.min()}, {t.max()}] but the model has '
+                     f'vocab_size={vocab_size}; tokenize with the model\'s tokenizer.')
+  if t.shape[1] > max_len:
+    raise ValueError(f'calibration tokens: sequences of {t.shape[1]} tokens exceed the '
+                     f'model\'s max_len={max_len}; cut them to <= {max_len}.')
+  if int(batch_size) < 1:
+    raise ValueError(f'calibration batch_size={batch_size} must be >= 1.')
+  t = t.astype(np.int32)
+  return [jnp.asarray(t[i:i + batch_size]) for i in range(0, t.shape[0], batch_size)]
+
+
+def token_facts(tokens) -> dict:
+  """What the conversion record says about the calibration tokens (hash of int32 LE ids)."""
+  t = np.ascontiguousarray(np.asarray(tokens), dtype='<i4')
+  return {'token_sha256': hashlib.sha256(t.tobytes()).hexdigest(),
+          'num_sequences': int(t.shape[0]), 'seq_len': int(t.shape[1]),
+          'tokens': int(t.size)}
+
+
+# ---- Einsum weight <-> w_DF ---------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class EinsumView:
+  """An Einsum weight viewed as w_DF (see the module docstring).
+
+  Attributes:
+    spec: the layer's einsum spec.
+    shape: the weight's shape.
+    contracted: contracted weight axes, in weight order (groups run along the last).
+    outputs: the other weight axes.
+    group: rows per group along the last contracted axis (its length when ungrouped).
+  """
+
+  spec: str
+  shape: tuple[int, ...]
+  contracted: tuple[int, ...]
+  outputs: tuple[int, ...]
+  group: int
+
+  @classmethod
+  def of(cls, layer: Einsum, fmt: Optional[QFormat] = None) -> 'EinsumView':
+    shape = tuple(layer.weight_shape)
+    c = tuple(layer.contracted_axes)
+    g = fmt.group_size if fmt is not None and fmt.group_size else shape[c[-1]]
+    return cls(layer.spec, shape, c, tuple(a for a in range(len(shape)) if a not in c), g)
+
+  @property
+  def rows(self) -> int:
+    return math.prod(self.shape[a] for a in self.contracted)
+
+  @property
+  def cols(self) -> int:
+    return math.prod(self.shape[a] for a in self.outputs)
+
+  @property
+  def contracted_shape(self) -> tuple[int, ...]:
+    return tuple(self.shape[a] for a in self.contracted)
+
+  @property
+  def output_shape(self) -> tuple[int, ...]:
+    return tuple(self.shape[a] for a in self.outputs)
+
+  def _split(self):
+    """Split shape (last contracted axis -> groups, group) and the 2-D axis order."""
+    ga, n = self.contracted[-1], len(self.shape)
+    split = self.shape[:ga] + (self.shape[ga] // self.group, self.group) + self.shape[ga + 1:]
+    pos = lambda a: a if a < ga else a + 1  # noqa: E731
+    order = [ga] + [pos(a) for a in self.contracted[:-1]] + [ga + 1] + [
+        pos(a) for a in self.outputs]
+    assert len(order) == n + 1
+    return split, order
+
+  def to_2d(self, w):
+    """The weight as w_DF (rows group by group)."""
+    split, order = self._split()
+    return jnp.transpose(jnp.reshape(w, split), order).reshape(self.rows, self.cols)
+
+  def from_2d(self, w2):
+    """Inverse of `to_2d`."""
+    split, order = self._split()
+    moved = jnp.reshape(w2, [split[a] for a in order])
+    return jnp.transpose(moved, np.argsort(order)).reshape(self.shape)
+
+  @functools.cached_property
+  def row_perm(self) -> np.ndarray:
+    """perm[r] = natural row (contracted axes flattened in weight order) of view row r."""
+    cs = self.contracted_shape
+    nat = np.arange(self.rows).reshape(cs[:-1] + (cs[-1] // self.group, self.group))
+    m = len(cs)
+    return nat.transpose([m - 1] + list(range(m - 1)) + [m]).reshape(-1)
+
+  def x_rows(self, x):
+    """Layer input x as (tokens, rows) in natural row order."""
+    xs, ws, _ = parse_spec(self.spec)
+    cl = [ws[a] for a in self.contracted]
+    other = [i for i, c in enumerate(xs) if c not in cl]
+    x = jnp.transpose(x, other + [xs.index(c) for c in cl])
+    return x.reshape(-1, self.rows)
+
+  def fmt2(self, fmt: QFormat) -> QFormat:
+    """The w_DF format whose groups and channels are exactly those of `fmt` on the weight."""
+    n = len(self.shape)
+    ch = {normalize_axis(a, n, 'channel_axes') for a in fmt.channel_axes}
+    if ch and ch != set(self.outputs):
+      raise ValueError(f'{self.spec}: weight format {fmt.name} has channel axes {sorted(ch)}; '
+                       f'the PTQ algorithms support one scale per output element (axes '
+                       f'{list(self.outputs)}) or none (granularity "channel" or "tensor").')
+    gs = None
+    if fmt.group_size:
+      if normalize_axis(fmt.group_axis, n, 'group_axis') != self.contracted[-1]:
+        raise ValueError(f'{self.spec}: groups of {fmt.name} must run along the last '
+                         f'contracted axis {self.contracted[-1]} (the policy puts them there).')
+      gs = self.rows // (self.shape[self.contracted[-1]] // self.group)
+    return fmt.replace(channel_axes=(1,) if ch else (), group_axis=0, group_size=gs)
+
+  def to_qarray(self, q2: QArray, fmt: QFormat) -> QArray:
+    """The QArray `quantize(w, fmt)` would lay out, holding the codes and scales of `q2`."""
+    target = jax.eval_shape(lambda w: quantize(w, fmt),
+                            jax.ShapeDtypeStruct(self.shape, jnp.float32))
+    codes = self.from_2d(q2.codes())
+    data = pack(codes, target.fmt.bits) if target.fmt.packed else codes
+    view, reduce = grouped_view_shape(self.shape, target.fmt)
+    view2 = grouped_view_shape((self.rows, self.cols), q2.fmt)[0]
+    keep = tuple(slice(0, 1) if a in reduce else slice(None) for a in range(len(view)))
+
+    def relayout(a2):  # per-scale array: broadcast to every element, move, keep one per scale
+      if a2 is None:
+        return None
+      full = self.from_2d(jnp.broadcast_to(a2, view2).reshape(self.rows, self.cols))
+      return full.reshape(view)[keep].astype(a2.dtype)
+
+    out = QArray(data, relayout(q2.scale), relayout(q2.zero_point), target.fmt,
+                 self.shape[-1], q2.dtype_name)
+    assert out.scale.shape == target.scale.shape and out.data.shape == target.data.shape
+    return out
+
+
+# ---- streamed statistics of Einsum inputs -------------------------------------------------
+@dataclasses.dataclass
+class InputStats:
+  """Running statistics of one layer's input, natural row order (module docstring).
+
+  Attributes:
+    count: tokens seen.
+    hessian: 2 X^T X / count (rows, rows), if requested.
+    absmean: mean |x| per row, if requested.
+    absmax: max |x| per row (always kept: it is also the NaN/Inf check).
+    int8_frac: per batch, the fraction of rows with max |x| <= threshold (LLM.int8()).
+  """
+
+  count: int = 0
+  hessian: Optional[jax.Array] = None
+  absmean: Optional[jax.Array] = None
+  absmax: Optional[jax.Array] = None
+  int8_frac: list = dataclasses.field(default_factory=list)
+
+
+def _mean_merge(a, ca, b, cb):
+  return b if a is None else a * (ca / (ca + cb)) + b * (cb / (ca + cb))
+
+
+def collect_stats(run: Callable[[object], object], batches: Iterable,
+                  layers: Mapping[str, Einsum], kinds: Iterable[str] = ('hessian',),
+                  threshold: Optional[float] = None) -> dict[str, InputStats]:
+  """Stream statistics of the inputs of `layers` over `run(batch)` for every batch.
+
+  Args:
+    run: runs the forward that calls the layers (e.g. one transformer block), eagerly.
+    batches: its inputs, one per call.
+    layers: {name: Einsum} to tap; layers fed the same array share its batch statistics.
+    kinds: any of 'hessian', 'absmean', 'absmax', 'int8_frac' (needs `threshold`).
+    threshold: the LLM.int8() outlier threshold for 'int8_frac'.
+
+  Returns:
+    {name: InputStats}.
+
+  Raises:
+    ValueError: an input holds NaN/Inf (naming the layer, batch and row), or a layer was
+      never called by `run`.
+  """
+  kinds = set(kinds)
+  if kinds - set(STATS):
+    raise ValueError(f'collect_stats: unknown kinds {sorted(kinds - set(STATS))}; use {STATS}.')
+  names = {id(l): n for n, l in layers.items()}
+  views = {n: EinsumView.of(l) for n, l in layers.items()}
+  stats = {n: InputStats() for n in layers}
+  for bi, batch in enumerate(batches):
+    cache = {}  # id(x) -> (x, batch stats); holding x keeps its id unique within the batch
+
+    def tap(layer, x, bi=bi, cache=cache):
+      name = names.get(id(layer))
+      if name is None:
+        return
+      if id(x) not in cache:
+        xr = views[name].x_rows(x).astype(jnp.float32)
+        amax = jnp.max(jnp.abs(xr), axis=0)  # NaN and Inf propagate into it
+        if not np.isfinite(np.asarray(amax)).all():
+          bad = np.argwhere(~np.isfinite(np.asarray(xr)))[0]
+          raise ValueError(f'calibration: the input of {name!r} in batch {bi} holds NaN/Inf '
+                           f'(token {bad[0]}, row {bad[1]}); the model overflowed or the '
+                           'weights are corrupt. Calibrate in float32 on finite weights.')
+        b = {'count': xr.shape[0], 'absmax': amax}
+        if 'hessian' in kinds:
+          b['hessian'] = hessian_update(None, xr, 0)[0]
+        if 'absmean' in kinds:
+          b['absmean'] = absmean_update(None, xr, 0)[0]
+        if 'int8_frac' in kinds:
+          b['int8_frac'] = float(jnp.mean(amax <= threshold))
+        cache[id(x)] = (x, b)
+      b, s = cache[id(x)][1], stats[name]
+      for k in ('hessian', 'absmean'):
+        if k in b:
+          setattr(s, k, _mean_merge(getattr(s, k), s.count, b[k], b['count']))
+      s.absmax = b['absmax'] if s.absmax is None else jnp.maximum(s.absmax, b['absmax'])
+      if 'int8_frac' in b:
+        s.int8_frac.append(b['int8_frac'])
+      s.count += b['count']
+
+    with tap_inputs(tap):
+      run(batch)
+  missing = [n for n, s in stats.items() if s.count == 0]
+  if missing:
+    raise ValueError(f'calibration: layers {missing} were never called by the forward pass; '
+                     'check that they belong to the model being calibrated.')
+  return stats

@@ -1,0 +1,40 @@
+"""Tiny experiment configs shared by the integration tests."""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+TINY = {
+    'model.d_model': 32, 'model.num_layers': 2, 'model.num_heads': 2, 'model.num_kv_heads': 1,
+    'model.head_dim': 32, 'model.d_ff': 64, 'data.seq_len': 32, 'train.batch': 4,
+    'train.steps': 12, 'train.warmup': 2, 'train.log_every': 4, 'train.eval_windows': 8,
+    'train.eval_batch': 8, 'checkpoint.every': 4, 'checkpoint.keep': 2,
+}
+
+
+def tiny_config(workdir, **extra):
+  from configs import tiny_lm  # pylint: disable=g-import-not-at-top
+  c = tiny_lm.get_config()
+  for k, v in {**TINY, **extra}.items():
+    node, leaf = k.split('.')
+    c[node][leaf] = v
+  c.workdir = str(workdir)
+  return c
+
+
+def tiny_flags(workdir, **extra):
+  return [f'--config.{k}={v}' for k, v in {**TINY, **extra}.items()] + [
+      f'--config.workdir={workdir}']
+
+
+@pytest.fixture(scope='session')
+def trained_tiny(tmp_path_factory):
+  """A finished tiny training run (shared by the PTQ and sweep tests)."""
+  from experiments import train as train_lib  # pylint: disable=g-import-not-at-top
+  wd = tmp_path_factory.mktemp('tiny_run')
+  train_lib.train(tiny_config(wd), str(wd))
+  return wd
