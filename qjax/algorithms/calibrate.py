@@ -107,6 +107,14 @@ class EinsumView:
   def output_shape(self) -> tuple[int, ...]:
     return tuple(self.shape[a] for a in self.outputs)
 
+  def row_shape(self) -> list[int]:
+    """Shape that broadcasts a natural-row vector (e.g. scales s_D) against the weight."""
+    return [n if a in self.contracted else 1 for a, n in enumerate(self.shape)]
+
+  def col_shape(self) -> list[int]:
+    """Shape that broadcasts an output-element vector against the weight."""
+    return [n if a in self.outputs else 1 for a, n in enumerate(self.shape)]
+
   def _split(self):
     """Split shape (last contracted axis -> groups, group) and the 2-D axis order."""
     ga, n = self.contracted[-1], len(self.shape)

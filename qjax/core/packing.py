@@ -20,14 +20,14 @@ import jax.numpy as jnp
 from jax import lax
 
 # bits -> (codes per group, bytes per group)
-_GROUPS = {2: (4, 1), 3: (8, 3), 4: (2, 1)}
+GROUPS = {2: (4, 1), 3: (8, 3), 4: (2, 1)}
 
 
 def packed_length(n: int, bits: int) -> int:
   """Bytes along the last axis that `n` codes of `bits` occupy after packing."""
-  if bits not in _GROUPS:
+  if bits not in GROUPS:
     return n
-  per, nbytes = _GROUPS[bits]
+  per, nbytes = GROUPS[bits]
   return -(-n // per) * nbytes
 
 
@@ -41,9 +41,9 @@ def pack(codes: jax.Array, bits: int) -> jax.Array:
   Returns:
     uint8 array whose last dimension is `packed_length(codes.shape[-1], bits)`.
   """
-  if bits not in _GROUPS:
+  if bits not in GROUPS:
     raise ValueError(f'pack: bits={bits} has no packed layout; packed widths are 2, 3, 4.')
-  per, nbytes = _GROUPS[bits]
+  per, nbytes = GROUPS[bits]
   n = codes.shape[-1]
   pad = -n % per
   if pad:
@@ -59,26 +59,34 @@ def pack(codes: jax.Array, bits: int) -> jax.Array:
   return out.reshape(codes.shape[:-1] + (-1,))
 
 
-def unpack(packed: jax.Array, bits: int, n: int) -> jax.Array:
-  """Inverse of `pack`: uint8 bytes -> int8 codes with last dimension `n`."""
-  if bits not in _GROUPS:
+def unpack_fields(packed: jax.Array, bits: int) -> list[jax.Array]:
+  """The codes of `packed` as `per` int8 arrays without interleaving them.
+
+  Field `j` holds codes `j, j + per, j + 2 per, ...` of the last axis (`per` = 2 for 4-bit, 4
+  for 2-bit, 8 for 3-bit), including any padding codes. Each field is a few elementwise ops
+  on the bytes that XLA fuses into its consumer; interleaving them back into one array (what
+  `unpack` does) is the slow part of unpacking on CPU, so matmuls consume the fields directly.
+  """
+  if bits not in GROUPS:
     raise ValueError(f'unpack: bits={bits} has no packed layout; packed widths are 2, 3, 4.')
-  per, nbytes = _GROUPS[bits]
-  lead = packed.shape[:-1]
+  per, nbytes = GROUPS[bits]
   if nbytes == 1:
-    # Sign-extend each field with an int8 shift-left then arithmetic shift-right: two cheap
-    # elementwise ops per code that XLA fuses into whatever consumes the codes.
+    # Sign-extend each field with an int8 shift-left then arithmetic shift-right.
     p = lax.bitcast_convert_type(packed, jnp.int8)
-    fields = [
+    return [
         lax.shift_right_arithmetic(lax.shift_left(p, jnp.int8(8 - bits * (j + 1))),
                                    jnp.int8(8 - bits)) for j in range(per)
     ]
-  else:
-    b = packed.astype(jnp.int32).reshape(lead + (-1, nbytes))
-    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
-    fields = [
-        lax.shift_right_arithmetic(lax.shift_left(word, 32 - bits * (j + 1)), 32 - bits)
-        .astype(jnp.int8) for j in range(per)
-    ]
-  codes = jnp.stack(fields, axis=-1).reshape(lead + (-1,))
+  b = packed.astype(jnp.int32).reshape(packed.shape[:-1] + (-1, nbytes))
+  word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+  return [
+      lax.shift_right_arithmetic(lax.shift_left(word, 32 - bits * (j + 1)), 32 - bits)
+      .astype(jnp.int8) for j in range(per)
+  ]
+
+
+def unpack(packed: jax.Array, bits: int, n: int) -> jax.Array:
+  """Inverse of `pack`: uint8 bytes -> int8 codes with last dimension `n`."""
+  fields = unpack_fields(packed, bits)
+  codes = jnp.stack(fields, axis=-1).reshape(packed.shape[:-1] + (-1,))
   return codes[..., :n]

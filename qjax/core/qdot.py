@@ -27,17 +27,20 @@ loop that widens the weight, so the int8 path pads the token axis to 2 rows ther
 
 from __future__ import annotations
 
+import math
 import string
 from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from qjax.core import packing
 from qjax.core.calibration import grouped_view_shape
 from qjax.core.formats import FLOAT_KINDS, QFormat, normalize_axis
 from qjax.core.qarray import QArray, dequantize
 
-PATHS = ('auto', 'dequant', 'int8', 'fp8')
+PATHS = ('auto', 'dequant', 'tiled', 'int8', 'fp8')
 INT8_ACT = QFormat(bits=8)
 
 
@@ -50,8 +53,8 @@ def choose_path(w_fmt: QFormat, act_fmt: Optional[QFormat] = None,
       raise ValueError(f'qeinsum: weights {w_fmt.name} and activations {act_fmt.name} mix '
                        'integer and float codes; use both int or both fp8.')
     return 'fp8' if act_fmt.is_float else 'int8'
-  if backend == 'cpu' and not w_fmt.is_float:
-    return 'int8'
+  if backend == 'cpu':
+    return 'tiled'
   return 'dequant'
 
 
@@ -113,11 +116,20 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
   fmt = w.fmt
   if path == 'auto':
     path = choose_path(fmt, act_fmt)
+  if path == 'tiled':
+    y = _tiled_einsum(xs, ws, out, x, w, None, out_dtype)
+    path = 'dequant' if y is None else path
   if path == 'dequant':
     return jnp.einsum(spec, x, dequantize(w, x.dtype)).astype(out_dtype)
+  if path == 'tiled':
+    return y
   if path == 'int8' and fmt.is_float or path == 'fp8' and not fmt.is_float:
     raise ValueError(f'qeinsum: path={path!r} cannot multiply {fmt.name} weights; use '
                      f"path='{'fp8' if fmt.is_float else 'int8'}' or 'dequant'.")
+  if jax.default_backend() == 'cpu':
+    y = _tiled_einsum(xs, ws, out, x, w, 'int' if path == 'int8' else fmt.kind, out_dtype)
+    if y is not None:
+      return y
   return _integer_like_einsum(xs, ws, out, x, w, path, out_dtype)
 
 
@@ -172,6 +184,178 @@ def _integer_like_einsum(xs, ws, out, x, w: QArray, path, out_dtype):
   if pad_axis is not None:
     y = jax.lax.slice_in_dim(y, 0, 1, axis=out.index(xv[pad_axis]))
   return y.astype(out_dtype)
+
+
+# ---- the tiled CPU path -------------------------------------------------------------------
+_TILE_ELEMENTS = 2**20  # weight elements per tile: 2 MiB in bf16, 4 MiB in f32 (cache-sized)
+_EXACT = 2**24          # integers below this add exactly in an f32 accumulator
+
+
+def _canonical(xs, ws, out, fmt: QFormat):
+  """Whether the spec is x2 (M, K) @ w2 (K, N) with w's axes (contracted..., kept...).
+
+  That is: no batch axes, no repeated letters, no axis summed out of one operand alone, and the
+  weight's contracted axes come first, so (K, N) is a free reshape of its storage and the
+  packed last axis is a kept one. Returns the number of contracted weight axes, or None.
+  """
+  if len(set(xs)) != len(xs) or len(set(ws)) != len(ws) or len(set(out)) != len(out):
+    return None
+  a = sum(c in xs for c in ws)
+  contracted, kept = ws[:a], ws[a:]
+  if not a or not kept or any(c in xs or c not in out for c in kept):
+    return None
+  if any(c in out for c in contracted) or any(c not in ws and c not in out for c in xs):
+    return None
+  if fmt.group_size is not None and normalize_axis(fmt.group_axis, len(ws), '') != a - 1:
+    return None  # groups must run along the last contracted axis: contiguous along K
+  return a
+
+
+def _per_tile(arr, view_shape, a, group):
+  """A scale-shaped array as (Kq, kept...): Kq = 1 (constant along K) or K / unit."""
+  if arr is None:
+    return None
+  v = arr.astype(jnp.float32)
+  if group:
+    v = jnp.squeeze(v, axis=a)  # the within-group axis (size 1 in every scale)
+  lead = v.shape[:a]
+  if all(d == 1 for d in lead):
+    return v.reshape((1,) + v.shape[a:])
+  v = jnp.broadcast_to(v, tuple(view_shape[:a]) + v.shape[a:])
+  return v.reshape((-1,) + v.shape[a:])
+
+
+def _fields(arr, per, nf, kept_shape):
+  """(Kq, kept...) -> `per` arrays (Kq, Nf) matching the packed fields of the last axis."""
+  if arr is None:
+    return [None] * per
+  kq = arr.shape[0]
+  if all(d == 1 for d in arr.shape[1:]):
+    return [arr.reshape(kq, 1)] * per
+  arr = jnp.broadcast_to(arr, (kq,) + tuple(kept_shape))
+  pad = per * nf - kept_shape[-1]
+  if pad:
+    arr = jnp.pad(arr, [(0, 0)] * (arr.ndim - 1) + [(0, pad)], constant_values=1.0)
+  return [arr[..., j::per].reshape(kq, -1) for j in range(per)]
+
+
+def _tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
+  """`qeinsum` on CPU as a loop over row tiles of the weight (module docstring)."""
+  fmt = w.fmt
+  a = _canonical(xs, ws, out, fmt)
+  if a is None:
+    return None
+  group = fmt.group_size is not None
+  view_shape, _ = grouped_view_shape(w.shape, fmt)
+  scale = _per_tile(w.scale, view_shape, a, group)
+  zp = _per_tile(w.zero_point, view_shape, a, group)
+  k = math.prod(w.shape[:a])
+  kept_shape = w.shape[a:]
+  n = math.prod(kept_shape)
+  unit = fmt.group_size if group else 1
+  kq = scale.shape[0]
+  if kq > 1 and kq == k and scale[0].size == n:
+    return None  # a scale per element: nothing to tile over
+  if act_kind is not None and kq > 1 and not group:
+    return None  # a scale along K (not by group) cannot follow a quantized-activation dot
+
+  # x -> (M, K) with the contracted axes in the weight's order.
+  x_only = [c for c in xs if c not in ws]
+  x2 = jnp.transpose(x, [xs.index(c) for c in x_only + list(ws[:a])])
+  m_shape = x2.shape[:len(x_only)]
+  m = math.prod(m_shape)
+  x2 = x2.reshape(m, k).astype(jnp.float32)
+  # M = 1 takes XLA's own matrix-vector loop (f32); M >= 2 the fused bf16 kernel (NOTES.md).
+  cdt = jnp.float32 if m == 1 else jnp.bfloat16
+
+  # Tile rows: ~_TILE_ELEMENTS per tile in whole groups; one group per tile when activation
+  # scales are per group; few enough rows that integer partial sums are exact in f32.
+  if act_kind is not None and group:
+    kt = unit
+  else:
+    kt = min(k, unit * max(1, _TILE_ELEMENTS // (n * unit)))
+  if act_kind == 'int':
+    bound = _EXACT // (127 * 2**(fmt.bits - 1)) // unit * unit
+    if kt > bound:
+      if bound < unit:
+        return None
+      kt = bound
+
+  if act_kind is not None:
+    xr = x2.reshape(m, k // unit, unit) if group else x2.reshape(m, 1, k)
+    xq, xscale = _quantize_rows(xr, (2,), act_kind)
+    xq = xq.reshape(m, k)
+    xscale = xscale.reshape(m, -1)  # (M, K/unit) or (M, 1)
+    xin = xq.astype(cdt)
+  else:
+    xin = x2.astype(cdt)
+
+  if fmt.packed:
+    per = packing.GROUPS[fmt.bits][0]
+    data2 = w.data.reshape(k, -1)
+    lead = n // kept_shape[-1]
+    nf = packing.packed_length(kept_shape[-1], fmt.bits) // packing.GROUPS[fmt.bits][1]
+    def fields(rows):
+      p = rows.reshape(rows.shape[0], lead, -1)
+      return [f.reshape(rows.shape[0], -1) for f in packing.unpack_fields(p, fmt.bits)]
+  else:
+    per, nf = 1, kept_shape[-1]
+    data2 = w.data.reshape(k, n)
+    fields = lambda rows: [rows]
+  s_f, z_f = _fields(scale, per, nf, kept_shape), _fields(zp, per, nf, kept_shape)
+  nf_total = n // kept_shape[-1] * nf
+  fold = kq > 1  # scales vary along K: apply them to the tile before the dot
+
+  def contrib(start, rows):
+    """Per-field (M, Nf) f32 partial products of the tile at row `start`."""
+    size = rows.shape[0]
+    xt = lax.dynamic_slice_in_dim(xin, start, size, 1)
+    parts = []
+    for c, s, z in zip(fields(rows), s_f, z_f):
+      if fold:
+        gi = start // unit
+        s_t = lax.dynamic_slice_in_dim(s, gi, size // unit, 0)[:, None]
+        cv = c.reshape(size // unit, unit, -1).astype(jnp.float32)
+        if z is not None:
+          cv = cv - lax.dynamic_slice_in_dim(z, gi, size // unit, 0)[:, None]
+        if act_kind is None:
+          cv = cv * s_t
+        c = cv.reshape(size, -1)
+      p = jnp.dot(xt, c.astype(cdt), preferred_element_type=jnp.float32)
+      if act_kind is not None and group:  # one group per tile: scale it now
+        xs_t = lax.dynamic_slice_in_dim(xscale, start // unit, 1, 1)
+        p = p * xs_t * s_t[0]
+      elif act_kind == 'int':
+        p = p.astype(jnp.int32)  # exact: |partial| < 2**24 by the choice of kt
+      parts.append(p)
+    return jnp.stack(parts)
+
+  acc_dtype = jnp.int32 if act_kind == 'int' and not group else jnp.float32
+  acc = jnp.zeros((per, m, nf_total), acc_dtype)
+  n_full = k // kt
+  if n_full:
+    acc = lax.fori_loop(
+        0, n_full,
+        lambda i, acc: acc + contrib(i * kt, lax.dynamic_slice_in_dim(data2, i * kt, kt, 0)),
+        acc)
+  if n_full * kt < k:
+    acc = acc + contrib(n_full * kt, data2[n_full * kt:])
+  acc = acc.astype(jnp.float32)
+
+  if not fold:  # scales (and zero points) constant along K: apply them once, at the end
+    if z_f[0] is not None:  # (c - z) . x  =  c . x  -  z * sum(x)
+      xsum = jnp.sum(xq.astype(jnp.int32) if act_kind == 'int' else xin, axis=1)
+      acc = acc - xsum.astype(jnp.float32)[None, :, None] * jnp.stack([z[0] for z in z_f])[:, None]
+    if act_kind is not None:
+      acc = acc * xscale[None]
+    acc = acc * jnp.stack([s[0] for s in s_f])[:, None]
+
+  # (per, M, lead * nf) -> (M, kept...) -> out order.
+  lead = n // kept_shape[-1]
+  y = acc.reshape(per, m, lead, nf).transpose(1, 2, 3, 0).reshape(m, lead, nf * per)
+  y = y[..., :kept_shape[-1]].reshape(m_shape + tuple(kept_shape))
+  y_letters = ''.join(x_only) + ws[a:]
+  return jnp.transpose(y, [y_letters.index(c) for c in out]).astype(out_dtype)
 
 
 def qdot(x: jax.Array, w: Union[jax.Array, QArray], **kw) -> jax.Array:
