@@ -6,7 +6,10 @@ a layout maps the names to mesh axes later (`nnx.get_partition_spec`).
 
 Quantization never edits these classes' callers: `qjax.nn.policy` swaps an Einsum's `w` from
 a `Param` to a `QWeight` holding a `QArray` (then the forward is `qeinsum`), or sets
-`fake_fmt` (then the float weight is fake-quantized in the forward, for QAT).
+`fake_fmt` (then the float weight is fake-quantized in the forward, for QAT). QAT
+(`qjax.train.qat`) may add learned step sizes / zero points (`QATScale`), an activation
+fake-quant format (`fake_act_fmt`) and a PACT clip of the input (`act_clip`, kept by the
+converted model).
 
 Calibration reads layer inputs the same way, without editing callers: inside
 `with tap_inputs(fn):` every Einsum call first runs `fn(layer, x)` (`qjax.algorithms.calibrate`
@@ -23,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.core import QArray, QFormat, dequantize, fake_quant, qeinsum
+from qjax.core import QArray, QFormat, dequantize, fake_quant, qeinsum, round_ste
 
 
 _TAPS: list = []  # active `tap_inputs` callbacks
@@ -59,6 +62,35 @@ class QWeight(nnx.Variable):
   """
 
 
+class QATScale(nnx.Variable):
+  """A learned quantization parameter: an LSQ step size or zero point, or a PACT clip.
+
+  Its own type, neither `nnx.Param` nor `QWeight`, so an optimizer can partition by type
+  and give it its own learning rate (`qjax.train.qat.make_qat_optimizer`), while
+  `wrt=nnx.Param` leaves it alone.
+  """
+
+
+_MIN_SCALE = 1e-12  # a learned step size never reaches 0 (or flips sign)
+
+
+def learned_qparams(scale, zero_point, fmt: QFormat):
+  """The (scale, zero point) a learned pair stands for: what the forward uses and stores.
+
+  The scale is kept positive, made a power of two for `pow2_scale` formats (rounding its
+  log2 with the STE) and rounded to `fmt.scale_dtype`; the zero point is rounded (STE) to an
+  integer code in [qmin, qmax]. Gradients pass straight through both roundings.
+  """
+  s = jnp.maximum(scale.astype(jnp.float32), _MIN_SCALE)
+  if fmt.pow2_scale:
+    s = jnp.exp2(round_ste(jnp.log2(s), QFormat()))
+  s = s.astype(jnp.dtype(fmt.scale_dtype)).astype(jnp.float32)
+  if zero_point is None or fmt.symmetric:
+    return s, None
+  z = jnp.clip(round_ste(zero_point.astype(jnp.float32), QFormat()), fmt.qmin, fmt.qmax)
+  return s, z.astype(jnp.dtype(fmt.scale_dtype)).astype(jnp.float32)
+
+
 def parse_spec(spec: str) -> tuple[str, str, str]:
   """'BTD,DNH->BTNH' -> ('BTD', 'DNH', 'BTNH'), with a clear error for other shapes."""
   try:
@@ -80,6 +112,11 @@ class Einsum(nnx.Module):
     act_fmt: activation format for W8A8 / fp8 (quantized weights only), or None.
     compute_path: qeinsum `path` for quantized weights ('auto', 'dequant', 'int8', 'fp8').
     fake_fmt: a fully resolved QFormat fake-quantizing the float weight in the forward (QAT).
+    qat_scale, qat_zero_point: learned step size / zero point of `fake_fmt` (`QATScale`, in
+      its grouped view), or None: the scale is calibrated from the weight at every call.
+    fake_act_fmt: format fake-quantizing the input in the forward (QAT of `act_fmt`), or None.
+    act_clip: PACT clip `a` (`QATScale`): the input is clipped to [-a, a] first, in the
+      float, fake-quantized and quantized forward alike; or None.
   """
 
   def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *,
@@ -97,6 +134,10 @@ class Einsum(nnx.Module):
     self.act_fmt: Optional[QFormat] = None
     self.compute_path = 'auto'
     self.fake_fmt: Optional[QFormat] = None
+    self.qat_scale: Optional[QATScale] = None
+    self.qat_zero_point: Optional[QATScale] = None
+    self.fake_act_fmt: Optional[QFormat] = None
+    self.act_clip: Optional[QATScale] = None
 
   @property
   def contracted_letters(self) -> str:
@@ -118,15 +159,29 @@ class Einsum(nnx.Module):
   def quantized(self) -> bool:
     return isinstance(self.w, QWeight)
 
+  def fake_weight(self, w: jax.Array) -> jax.Array:
+    """`w` fake-quantized per `fake_fmt` (with the learned scale when there is one)."""
+    if self.fake_fmt is None:
+      return w
+    if self.qat_scale is None:
+      return fake_quant(w, self.fake_fmt)
+    zp = None if self.qat_zero_point is None else self.qat_zero_point[...]
+    s, z = learned_qparams(self.qat_scale[...], zp, self.fake_fmt)
+    return fake_quant(w, self.fake_fmt, scale=s, zero_point=z)
+
   def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
     """`einsum(spec, x, w)` in x's dtype (or `out_dtype`)."""
+    if self.act_clip is not None:
+      a = self.act_clip[...].astype(x.dtype)
+      x = jnp.clip(x, -a, a)
     notify_taps(self, x)
     w = self.w.get_value()
     if isinstance(w, QArray):
       return qeinsum(self.spec, x, w, act_fmt=self.act_fmt, path=self.compute_path,
                      out_dtype=out_dtype)
-    if self.fake_fmt is not None:
-      w = fake_quant(w, self.fake_fmt)
+    w = self.fake_weight(w)
+    if self.fake_act_fmt is not None:
+      x = fake_quant(x, self.fake_act_fmt)
     out_dtype = out_dtype or x.dtype
     return jnp.einsum(self.spec, x, w.astype(x.dtype), preferred_element_type=out_dtype)
 
@@ -143,8 +198,7 @@ class Embed(Einsum):
     """Embedding rows of `tokens_BT` in `dtype`; a quantized table dequantizes only those rows."""
     table = self.w.get_value()
     if not isinstance(table, QArray):
-      if self.fake_fmt is not None:
-        table = fake_quant(table, self.fake_fmt)
+      table = self.fake_weight(table)
       return table[tokens_BT].astype(dtype)
     return dequantize(_gather_rows(table, tokens_BT.reshape(-1)), dtype).reshape(
         tokens_BT.shape + (table.shape[-1],))

@@ -1,0 +1,420 @@
+"""`apply_method`: PTQ of a `qjax.nn.Transformer` by RTN, GPTQ, AWQ, SmoothQuant or LLM.int8().
+
+The policy decides formats exactly as for `quantize_model` (which also builds the starting
+point: every matched Einsum RTN-quantized, so the structure, report and checkpoint layout are
+the policy's). Then the model is walked block by block and, inside a block, *stage* by stage:
+the Einsums that read one array (q/k/v, then o_proj, then gate/up, then down_proj; the
+untied LM head last). For each stage the block runs over the calibration batches with a tap
+on its inputs (`calibrate.collect_stats`), and the method replaces the stage's weights:
+
+* sequential (default): the batches enter block l through the already-processed blocks
+  0..l-1, and a stage sees the already-processed stages before it (GPTQ's sequential mode,
+  one block of activations in memory at a time);
+* non-sequential: every statistic comes from the float model.
+
+AWQ and SmoothQuant scale the stage's weight rows by s and fold 1/s into the producer of the
+shared input: the RMSNorm weight (q/k/v, gate/up, LM head), else the previous linear layer's
+output channels (v_proj for o_proj, with s shared by the query heads of one kv head; up_proj
+for down_proj; for a quantized producer its per-channel QArray scales are divided), else an
+explicit multiply (`ScaledEinsum`). The calibration record says which, per stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qjax.algorithms import awq, gptq, llm_int8, smoothquant
+from qjax.algorithms.calibrate import (EinsumView, calibration_batches, collect_stats,
+                                       token_facts)
+from qjax.core import QArray, QFormat, quantize
+from qjax.core.formats import normalize_axis
+from qjax.nn import QuantPolicy, QuantReport, Transformer, einsum_layers, quantize_model
+from qjax.nn.layers import Einsum, parse_spec
+
+METHODS = ('rtn', 'gptq', 'awq', 'smoothquant', 'llm_int8')
+COMMON_OPTIONS = {'sequential': True, 'batch_size': 8, 'source': None, 'seed': None}
+METHOD_OPTIONS = {'rtn': {}, 'gptq': gptq.OPTIONS, 'awq': awq.OPTIONS,
+                  'smoothquant': smoothquant.OPTIONS, 'llm_int8': llm_int8.OPTIONS}
+_KINDS = {'gptq': ('hessian',), 'awq': ('hessian', 'absmean'), 'smoothquant': ('absmax',),
+          'llm_int8': ('int8_frac',)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """Einsums reading one array, and where a per-input-channel scale of it can be folded."""
+  layers: tuple[str, ...]  # paths under the block
+  fold: str  # 'norm' or 'linear'
+  into: str  # the RMSNorm / previous Einsum under the block
+  heads_tie: bool = False  # rows are (N, H) and the producer's outputs (K, H)
+
+
+BLOCK_STAGES = (Stage(('attn/q_proj', 'attn/k_proj', 'attn/v_proj'), 'norm', 'pre_attn_norm'),
+                Stage(('attn/o_proj',), 'linear', 'attn/v_proj', heads_tie=True),
+                Stage(('mlp/gate_proj', 'mlp/up_proj'), 'norm', 'pre_mlp_norm'),
+                Stage(('mlp/down_proj',), 'linear', 'mlp/up_proj'))
+HEAD_STAGE = Stage(('lm_head',), 'norm', 'final_norm')
+
+
+class InputScale(nnx.Variable):
+  """The per-input-element divisor of a `ScaledEinsum` (not trained)."""
+
+
+class ScaledEinsum(Einsum):
+  """`einsum(spec, x / s, w)`: an AWQ / SmoothQuant scale that no producer could absorb.
+
+  `s` has the shape of the contracted weight axes, in weight order. Taps see x / s, the
+  input the (scaled) weight multiplies.
+  """
+
+  def __init__(self, layer: Einsum, s):
+    for k, v in vars(layer).items():
+      if not k.startswith('_'):
+        setattr(self, k, v)
+    self.in_scale = InputScale(jnp.asarray(s, jnp.float32))
+
+  def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
+    xs, cl = parse_spec(self.spec)[0], self.contracted_letters
+    s = jnp.transpose(self.in_scale[...], [cl.index(c) for c in xs if c in cl])
+    s = s.reshape([x.shape[i] if c in cl else 1 for i, c in enumerate(xs)])
+    return super().__call__(x / s.astype(x.dtype), out_dtype)
+
+
+# ---- options ------------------------------------------------------------------------------
+def resolve_options(method: str, options: Optional[dict]) -> dict:
+  """The method's defaults updated by `options`; unknown keys and bad values raise."""
+  if method not in METHODS:
+    raise ValueError(f'apply_method: method={method!r} is unknown; use one of {METHODS}.')
+  known = {**COMMON_OPTIONS, **METHOD_OPTIONS[method]}
+  bad = set(options or {}) - set(known)
+  if bad:
+    raise ValueError(f'apply_method({method!r}): unknown options {sorted(bad)}; this method '
+                     f'takes {sorted(known)}.')
+  opts = {**known, **(options or {})}
+  {'gptq': gptq.check_options, 'awq': awq.check_options, 'rtn': lambda o: None,
+   'smoothquant': smoothquant.check_options, 'llm_int8': llm_int8.check_options}[method](opts)
+  return opts
+
+
+# ---- model paths ----------------------------------------------------------------------------
+def _get(root, path: str):
+  node = root
+  for part in filter(None, path.split('/')):
+    node = node[int(part)] if part.isdigit() else getattr(node, part)
+  return node
+
+
+def _set(root, path: str, value) -> None:
+  parent, _, name = path.rpartition('/')
+  setattr(_get(root, parent), name, value)
+
+
+def _embed(model: Transformer, tokens_BT):
+  """The input of block 0 (Transformer.__call__'s prologue)."""
+  x = model.embed.lookup(tokens_BT, model.config.compute_dtype)
+  if model.config.embed_scale:
+    x = x * jnp.asarray(model.config.d_model ** 0.5, model.config.compute_dtype)
+  return x
+
+
+def _run_block(block, x_BTD):
+  b, t = x_BTD.shape[:2]
+  return block(x_BTD, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), None)[0]
+
+
+@dataclasses.dataclass
+class _Ctx:
+  model: Transformer
+  qmodel: Transformer
+  fmts: dict  # path -> (QFormat, act QFormat or None), from quantize_model
+  opts: dict
+  layers: dict = dataclasses.field(default_factory=dict)  # per-layer record entries
+  stages: list = dataclasses.field(default_factory=list)  # per-stage record entries
+  structure: dict = dataclasses.field(default_factory=dict)  # path -> swapped module kind
+
+  def float_weight(self, path: str):
+    """The layer's current float weight: original if quantized by the policy, else qmodel's."""
+    return _get(self.model if path in self.fmts else self.qmodel, path).w.get_value()
+
+
+# ---- folding 1/s into the producer of a stage's input -------------------------------------
+def _plan_fold(ctx: _Ctx, stage: Stage, prefix: str):
+  """('norm' | 'linear' | 'explicit', producer path or None, tie ids or None)."""
+  into = prefix + stage.into
+  if stage.fold == 'norm':
+    return 'norm', into, None
+  prev = _get(ctx.qmodel, into)
+  w = prev.w.get_value()
+  per_channel = not isinstance(w, QArray) or {
+      normalize_axis(a, w.ndim, 'channel_axes') for a in w.fmt.channel_axes} == set(
+          a for a in range(w.ndim) if a not in prev.contracted_axes)
+  if not ctx.opts['fold_linear'] or not per_channel or type(prev) is not Einsum:
+    return 'explicit', None, None
+  if not stage.heads_tie:
+    return 'linear', into, None
+  cfg = ctx.model.config
+  n, h = np.meshgrid(np.arange(cfg.num_heads), np.arange(cfg.head_dim), indexing='ij')
+  return 'linear', into, ((n // cfg.group_size) * cfg.head_dim + h).reshape(-1)
+
+
+def _divide_outputs(layer: Einsum, s_out) -> None:
+  """Divide the layer's output channels by s (its float weight or its QArray scales)."""
+  view, w = EinsumView.of(layer), layer.w.get_value()
+  s = jnp.reshape(s_out, view.col_shape())
+  if isinstance(w, QArray):
+    if w.fmt.group_size:
+      s = jnp.expand_dims(s, normalize_axis(w.fmt.group_axis, w.ndim, 'group_axis') + 1)
+    scale = (w.scale.astype(jnp.float32) / s).astype(w.scale.dtype)
+    layer.w.set_value(dataclasses.replace(w, scale=scale))
+  else:
+    layer.w.set_value((w / s).astype(w.dtype))
+
+
+def _migrate(ctx: _Ctx, stage: Stage, prefix: str, todo: list, s_nat, plan) -> str:
+  """Scale the float consumers' rows by s and fold 1/s into the producer; describe it."""
+  kind, into, tie = plan
+  for p in (prefix + q for q in stage.layers):
+    if p not in todo:  # a consumer kept float by the policy: keep its product exact
+      layer = _get(ctx.qmodel, p)
+      w = layer.w.get_value()
+      layer.w.set_value((w * s_nat.reshape(EinsumView.of(layer).row_shape())).astype(w.dtype))
+  if kind == 'norm':
+    norm = _get(ctx.qmodel, into)
+    v = norm.scale.get_value()
+    v32 = v.astype(jnp.float32)
+    norm.scale.set_value(((1.0 + v32) / s_nat - 1.0 if norm.plus_one else v32 / s_nat)
+                         .astype(v.dtype))
+    return f'norm weight {into}'
+  if kind == 'linear':
+    prev = _get(ctx.qmodel, into)
+    s_out = s_nat if tie is None else jax.ops.segment_max(s_nat, jnp.asarray(tie),
+                                                          num_segments=int(tie.max()) + 1)
+    _divide_outputs(prev, s_out)
+    how = 'QArray per-channel scales' if prev.quantized else 'float weight'
+    shared = '' if tie is None else f', s shared by the {ctx.model.config.group_size} ' \
+                                    'query head(s) of each kv head'
+    return f'previous linear {into} (output channels, {how}{shared})'
+  (p,) = todo
+  layer = _get(ctx.qmodel, p)
+  _set(ctx.qmodel, p, ScaledEinsum(layer, s_nat.reshape(EinsumView.of(layer).contracted_shape)))
+  ctx.structure[p] = 'explicit_scale'
+  return f'explicit multiply x / s in {p} (ScaledEinsum)'
+
+
+# ---- one stage, per method ----------------------------------------------------------------
+def _gptq_stage(ctx, stage, prefix, todo, st):
+  o = ctx.opts
+  for p in todo:
+    fmt, layer = ctx.fmts[p][0], _get(ctx.qmodel, p)
+    q, info = gptq.quantize_layer(ctx.float_weight(p), EinsumView.of(layer, fmt), fmt,
+                                  st.hessian, damp=o['damp'], block_size=o['block_size'],
+                                  act_order=o['act_order'])
+    layer.w.set_value(q)
+    ctx.layers[p] = info
+
+
+def _awq_stage(ctx, stage, prefix, todo, st):
+  plan = _plan_fold(ctx, stage, prefix)
+  act, tie = st.absmean, plan[2]
+  if tie is not None:  # one scale per kv-head channel: mean |x| over the heads sharing it
+    t = jnp.asarray(tie)
+    act = (jax.ops.segment_sum(act, t, int(tie.max()) + 1)
+           / jax.ops.segment_sum(jnp.ones_like(act), t, int(tie.max()) + 1))[t]
+  layers = [(ctx.float_weight(p), EinsumView.of(_get(ctx.qmodel, p), ctx.fmts[p][0]),
+             ctx.fmts[p][0]) for p in todo]
+  s_nat, qs, info = awq.search_stage(layers, act, st.hessian, ctx.opts)
+  for p, q in zip(todo, qs):
+    _get(ctx.qmodel, p).w.set_value(q)
+  fold = _migrate(ctx, stage, prefix, todo, s_nat, plan)
+  ctx.stages.append({'layers': todo, 'fold': fold, **info})
+
+
+def _smoothquant_stage(ctx, stage, prefix, todo, st):
+  plan = _plan_fold(ctx, stage, prefix)
+  paths = [prefix + q for q in stage.layers]
+  ws = [EinsumView.of(_get(ctx.qmodel, p)).to_2d(ctx.float_weight(p).astype(jnp.float32))
+        for p in paths]
+  s_nat = smoothquant.stage_scales(st.absmax, ws, ctx.opts['alpha'], plan[2])
+  for p in todo:
+    layer, fmt, w = _get(ctx.qmodel, p), ctx.fmts[p][0], ctx.float_weight(p)
+    ws_ = w.astype(jnp.float32) * s_nat.reshape(EinsumView.of(layer).row_shape())
+    layer.w.set_value(dataclasses.replace(quantize(ws_, fmt), dtype_name=jnp.dtype(w.dtype).name))
+  fold = _migrate(ctx, stage, prefix, todo, s_nat, plan)
+  ctx.stages.append({'layers': todo, 'fold': fold, 'alpha': ctx.opts['alpha'],
+                     'scale_range': [float(jnp.min(s_nat)), float(jnp.max(s_nat))]})
+
+
+def _llm_int8_stage(ctx, stage, prefix, todo, st):
+  keep = ctx.opts['outlier_weights'] == 'float'
+  frac = float(np.mean(st.int8_frac))
+  for p in todo:
+    layer = _get(ctx.qmodel, p)
+    _set(ctx.qmodel, p, llm_int8.LLMInt8Einsum(layer, ctx.opts['threshold'],
+                                               ctx.float_weight(p) if keep else None))
+    ctx.structure[p] = 'llm_int8'
+    ctx.layers[p] = {'int8_fraction': frac}
+
+
+_STAGE_FNS = {'gptq': _gptq_stage, 'awq': _awq_stage, 'smoothquant': _smoothquant_stage,
+              'llm_int8': _llm_int8_stage}
+
+
+def _process(ctx: _Ctx, method: str, stage: Stage, prefix: str, src, run, xs) -> None:
+  todo = [prefix + q for q in stage.layers if prefix + q in ctx.fmts]
+  if not todo:
+    return
+  st = collect_stats(run, xs, {todo[0]: _get(src, todo[0])}, _KINDS[method],
+                     ctx.opts.get('threshold'))[todo[0]]
+  _STAGE_FNS[method](ctx, stage, prefix, todo, st)
+
+
+# ---- the public entry point ---------------------------------------------------------------
+def _check_formats(method: str, qmodel, fmts: dict) -> None:
+  for p, (fmt, act) in fmts.items():
+    if method in ('gptq', 'awq') and fmt.is_float:
+      raise ValueError(f'apply_method({method!r}): layer {p!r} has weight format {fmt.name}; '
+                       f'{method} searches integer codes (bits 2-8). Use an int format, or '
+                       "method='rtn' for fp8.")
+    if method == 'smoothquant' and act is None:
+      raise ValueError(f"apply_method('smoothquant'): layer {p!r} has no activation format; "
+                       'SmoothQuant is for W8A8: give the rule act=int_format(8) '
+                       "(quant.act='int8').")
+    if method == 'llm_int8':
+      llm_int8.check_vector_wise(_get(qmodel, p).w.get_value(), _get(qmodel, p), p)
+    if method in ('gptq', 'awq'):
+      layer = _get(qmodel, p)
+      EinsumView.of(layer, fmt).fmt2(fmt)
+
+
+def apply_method(model: Transformer, policy: QuantPolicy, method: str, calib_tokens,
+                 options: Optional[dict] = None):
+  """Quantize `model` under `policy` with a PTQ method; the float model is left untouched.
+
+  Args:
+    model: a float `qjax.nn.Transformer`.
+    policy: the QuantPolicy (formats exactly as `quantize_model` resolves them).
+    method: 'rtn', 'gptq', 'awq', 'smoothquant' (W8A8: rules need an act format) or
+      'llm_int8' (rules need int8 per-channel weights).
+    calib_tokens: [n, T] int token ids (ignored by 'rtn').
+    options: common keys `COMMON_OPTIONS` (sequential, batch_size, and the calibration set's
+      source and seed, recorded as given) plus the method's (`METHOD_OPTIONS`).
+
+  Returns:
+    (qmodel, QuantReport, calibration_record) - the record is the conversion record's
+    'calibration' field: token hash and counts, source, seed, procedure, options, per-stage
+    scales and folds, per-layer errors / 8-bit fractions, and `structure` (layers whose module
+    was swapped; `rebuild_structure` replays it before an Orbax restore).
+  """
+  t0 = time.perf_counter()
+  opts = resolve_options(method, options)
+  qmodel, report = quantize_model(model, policy)
+  if method == 'rtn':
+    return qmodel, report, {'method': 'rtn', 'data': None, 'procedure': _procedure('rtn', opts),
+                            'seconds': time.perf_counter() - t0}
+  if not isinstance(model, Transformer):
+    raise ValueError(f'apply_method: expected a qjax.nn.Transformer, got {type(model).__name__}; '
+                     'the walk (block inputs, stages, fold targets) is written for it.')
+  cfg = model.config
+  batches = calibration_batches(calib_tokens, cfg.vocab_size, cfg.max_len, opts['batch_size'])
+  fmts = {p: (l.w.get_value().fmt, l.act_fmt) for p, l in einsum_layers(qmodel) if l.quantized}
+  _check_formats(method, qmodel, fmts)
+  ctx = _Ctx(model, qmodel, fmts, opts)
+  src = qmodel if opts['sequential'] else model
+  xs = [_embed(src, b) for b in batches]
+  for i in range(cfg.num_layers):
+    block = src.layers[i]
+    for stage in BLOCK_STAGES:
+      _process(ctx, method, stage, f'layers/{i}/', src, lambda x, b=block: _run_block(b, x), xs)
+    xs = [_run_block(block, x) for x in xs]
+  notes = []
+  if model.lm_head is not None:
+    _process(ctx, method, HEAD_STAGE, '', src,
+             lambda x: src.lm_head(src.final_norm(x), out_dtype=jnp.float32), xs)
+  elif 'embed' in fmts:
+    notes.append('embed (tied LM head) kept RTN: its table is also the input lookup, so it '
+                 'can be neither rescaled nor fitted to the head\'s inputs alone')
+  record = _record(method, opts, calib_tokens, ctx, notes, time.perf_counter() - t0)
+  return qmodel, _report(report, method, ctx), record
+
+
+def _procedure(method: str, o: dict) -> str:
+  seq = ('sequential: block l is calibrated on activations of the already-quantized blocks '
+         '0..l-1, and each stage (q/k/v -> o_proj -> gate/up -> down_proj, then the untied '
+         'LM head) on those of the already-quantized stages before it' if o['sequential'] else
+         'non-sequential: every statistic from the float model')
+  text = {
+      'rtn': 'none: round-to-nearest (RTN) needs no calibration data; weight ranges from the '
+             'weights themselves',
+      'gptq': f"GPTQ: H = 2 X^T X / n streamed from each Einsum's inputs; damp {o.get('damp')} "
+              f"x mean diag(H); lazy block updates of {o.get('block_size')} rows; act_order="
+              f"{o.get('act_order')}; group scales fixed when the sweep reaches the group",
+      'awq': f"AWQ: s = mean|x|^alpha (normalised), alpha searched on the summed output error "
+             f"1/2 tr(dW^T H dW) of the Einsums sharing the input (grid "
+             f"{o.get('alpha') if o.get('alpha') is not None else o.get('alpha_grid')}), "
+             f"clip search={o.get('clip_search')}; 1/s folded into the producer (see stages)",
+      'smoothquant': f"SmoothQuant: s = max|X|^a / max|W|^(1-a), a={o.get('alpha')}, over the "
+                     'concatenated weights sharing the input; 1/s folded into the producer '
+                     '(see stages); W8A8 through the policy\'s activation format',
+      'llm_int8': f"LLM.int8(): int8 vector-wise matmul; input features with max|x| > "
+                  f"{o.get('threshold')} over a call's tokens multiplied in the compute dtype "
+                  f"with {o.get('outlier_weights')} weights",
+  }[method]
+  return text if method == 'rtn' else f'{text}. {seq}; batches of {o["batch_size"]} sequences.'
+
+
+def _record(method, opts, tokens, ctx: _Ctx, notes, seconds) -> dict:
+  rec = {'method': method,
+         'data': {'source': opts['source'], 'seed': opts['seed'], **token_facts(tokens)},
+         'procedure': _procedure(method, opts), 'sequential': opts['sequential'],
+         'options': {k: v for k, v in opts.items() if k not in ('source', 'seed')},
+         'layers': ctx.layers, 'stages': ctx.stages, 'structure': ctx.structure,
+         'notes': notes, 'seconds': seconds}
+  if method == 'llm_int8':
+    macs = {p: EinsumView.of(_get(ctx.model, p)).rows * EinsumView.of(_get(ctx.model, p)).cols
+            for p in ctx.layers}
+    total = sum(macs.values())
+    rec['llm_int8'] = {
+        'threshold': opts['threshold'], 'outlier_weights': opts['outlier_weights'],
+        'int8_fraction': sum(ctx.layers[p]['int8_fraction'] * m for p, m in macs.items()) / total,
+        'measured_on': f'the calibration inputs of each layer, per batch of '
+                       f"{opts['batch_size']} sequences (outlier columns are chosen per call); "
+                       'weighted by multiply-adds'}
+  return rec
+
+
+def _report(report: QuantReport, method: str, ctx: _Ctx) -> QuantReport:
+  layers = []
+  for l in report.layers:
+    if l.path in ctx.layers or any(l.path in s['layers'] for s in ctx.stages):
+      extra = 0
+      if ctx.structure.get(l.path) == 'llm_int8' and ctx.opts['outlier_weights'] == 'float':
+        extra = l.bytes_before  # the float copy the outlier columns multiply
+      l = dataclasses.replace(l, reason=f'{l.reason}; {method}',
+                              bytes_after=l.bytes_after + extra,
+                              act=f"int8+float>{ctx.opts['threshold']:g}"
+                              if method == 'llm_int8' else l.act)
+    layers.append(l)
+  return QuantReport(tuple(layers), report.unused_rules, report.mode)
+
+
+def rebuild_structure(qmodel: Transformer, calibration_record: dict) -> Transformer:
+  """Swap the modules `apply_method` swapped (`record['structure']`) into a `quantize_model`
+  output, with placeholder values, so an Orbax restore of its state finds every variable."""
+  opts = calibration_record.get('options', {})
+  for p, kind in calibration_record.get('structure', {}).items():
+    layer = _get(qmodel, p)
+    if kind == 'llm_int8':
+      w = (jnp.zeros(layer.weight_shape, jnp.float32)
+           if opts.get('outlier_weights', 'float') == 'float' else None)
+      _set(qmodel, p, llm_int8.LLMInt8Einsum(layer, opts.get('threshold', 6.0), w))
+    elif kind == 'explicit_scale':
+      _set(qmodel, p, ScaledEinsum(layer, jnp.ones(EinsumView.of(layer).contracted_shape)))
+    else:
+      raise ValueError(f'rebuild_structure: unknown module kind {kind!r} for {p!r}.')
+  return qmodel
