@@ -21,6 +21,16 @@ def test_pack_unpack_exact(bits, n, rows, seed):
   np.testing.assert_array_equal(jax.jit(qjax.unpack, static_argnums=(1, 2))(p, bits, n), c)
 
 
+@pytest.mark.parametrize('bits', [2, 3, 4])
+def test_unpack_fields_are_strided_codes(bits):
+  per = {2: 4, 3: 8, 4: 2}[bits]
+  c = np.random.default_rng(bits).integers(-2**(bits - 1), 2**(bits - 1), (3, 8 * per))
+  fields = qjax.core.packing.unpack_fields(qjax.pack(jnp.asarray(c, jnp.int8), bits), bits)
+  assert len(fields) == per
+  for j, f in enumerate(fields):
+    np.testing.assert_array_equal(f, c[:, j::per])
+
+
 def test_packed_bytes_per_code():
   assert qjax.packed_length(128, 4) == 64
   assert qjax.packed_length(128, 2) == 32

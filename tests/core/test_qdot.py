@@ -76,7 +76,9 @@ class QdotTest(chex.TestCase):
 
   def test_auto_path_choice_is_documented(self):
     f4 = int_format(4, group_size=128)
-    assert qjax.choose_path(f4, None, 'cpu') == 'int8'
+    assert qjax.choose_path(f4, None, 'cpu') == 'tiled'
+    assert qjax.choose_path(fp8_format(), None, 'cpu') == 'tiled'
+    assert qjax.choose_path(int_format(8), int_format(8), 'cpu') == 'int8'
     assert qjax.choose_path(f4, None, 'gpu') == 'dequant'
     assert qjax.choose_path(f4, int_format(8), 'tpu') == 'int8'
     assert qjax.choose_path(fp8_format(), fp8_format(), 'gpu') == 'fp8'
@@ -103,3 +105,73 @@ class QdotTest(chex.TestCase):
     temp_dq = jax.jit(lambda x, q: qdot(x, q, path='dequant')).lower(x, q).compile() \
         .memory_analysis().temp_size_in_bytes
     assert temp_dq >= f32_copy  # the documented reason 'dequant' is not the CPU default
+
+
+class TiledPathTest(chex.TestCase):
+  """The CPU path: a loop over row tiles of the weight (see the qdot module docstring)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_tiled_matches_dequantize_for_every_layout(self):
+    w = jax.random.normal(K[1], (256, 130)) / 16   # 130: padded 2-, 3- and 4-bit last axis
+    for fmt in [int_format(4, group_size=32, channel_axes=(1,)),
+                int_format(4, group_size=32, channel_axes=(1,), symmetric=False),
+                int_format(3, group_size=64, channel_axes=(1,)),
+                int_format(2, group_size=64, channel_axes=(1,), symmetric=False),
+                int_format(8), int_format(8, channel_axes=(1,), symmetric=False),
+                int_format(8, channel_axes=(0,)), fp8_format(channel_axes=(1,))]:
+      q = quantize(w, fmt)
+      for x in [X, X[:1, :1]]:  # M = 32 (bf16 tiles) and M = 1 (f32 tiles)
+        ref = x @ q.dequantize()
+        y = self.variant(lambda x, q: qdot(x, q, path='tiled'))(x, q)
+        assert y.shape == ref.shape
+        assert float(qjax.sqnr_db(ref, y)) > (45.0 if x.size > 256 else 100.0), fmt.name
+
+  def test_tiled_einsum_layouts(self):
+    x = jax.random.normal(K[3], (2, 3, 4, 64))
+    w = jax.random.normal(K[2], (4, 64, 32))
+    for fmt in [int_format(4, group_size=32, group_axis=1, channel_axes=(2,)),
+                int_format(8, channel_axes=(0, 2))]:
+      q = quantize(w, fmt)
+      ref = jnp.einsum('BTNH,NHD->BTD', x, q.dequantize())
+      y = qeinsum('BTNH,NHD->BTD', x, q, path='tiled')
+      assert float(qjax.sqnr_db(ref, y)) > 45.0
+    w2 = jax.random.normal(K[2], (64, 4, 18))   # 'BTD,DNH->BTNH', packed H of odd half length
+    q = quantize(w2, int_format(4, group_size=16, group_axis=0, channel_axes=(1, 2)))
+    x2 = jax.random.normal(K[3], (3, 2, 64))
+    ref = jnp.einsum('TBD,DNH->BNTH', x2, q.dequantize())
+    for path in ['tiled', 'int8']:
+      y = qeinsum('TBD,DNH->BNTH', x2, q, path=path)
+      assert y.shape == ref.shape and float(qjax.sqnr_db(ref, y)) > 35.0, path
+
+  @pytest.mark.parametrize('m', [1, 3])
+  def test_w8a8_accumulator_exact_across_tiles(self, m):
+    # K = 4096 with worst-case codes: the int32 sum exceeds 2**24, so per-tile f32 partials
+    # must be carried in int32 to stay exact.
+    k = 4096
+    x = jnp.ones((m, k))
+    q = quantize(jnp.ones((k, 16)), int_format(8, channel_axes=(1,)))
+    y = qdot(x, q, act_fmt=int_format(8), path='int8')
+    np.testing.assert_array_equal(np.asarray(q.codes(), np.int64).sum(0), np.full(16, 127 * k))
+    np.testing.assert_allclose(y, np.full((m, 16), float(k)), rtol=1e-6)
+    xr = np.asarray(jax.random.normal(K[0], (m, k)), np.float32)
+    wr = jax.random.normal(K[1], (k, 64))
+    q = quantize(wr, int_format(8, channel_axes=(1,)))
+    xs = np.abs(xr).max(1, keepdims=True) / 127.0
+    xq = np.clip(np.round(xr / xs), -127, 127).astype(np.int64)
+    acc = xq @ np.asarray(q.codes(), np.int64)
+    ref = acc.astype(np.float32) * xs * np.asarray(q.scale, np.float32)
+    y = jax.jit(lambda x, q: qdot(x, q, act_fmt=int_format(8)))(jnp.asarray(xr), q)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+  def test_default_cpu_paths_make_no_float_copy(self):
+    w = jax.random.normal(K[1], (1024, 1024))
+    f32_copy = 1024 * 1024 * 4
+    for fmt, act in [(int_format(4, group_size=128, channel_axes=(1,)), None),
+                     (int_format(8, channel_axes=(1,)), None),
+                     (int_format(8, channel_axes=(1,)), int_format(8))]:
+      q = quantize(w, fmt)
+      for m in [1, 8, 64]:
+        x = jax.random.normal(K[0], (m, 1024))
+        temp = jax.jit(lambda x, q: qdot(x, q, act_fmt=act)).lower(x, q).compile() \
+            .memory_analysis().temp_size_in_bytes
+        assert temp < f32_copy / 2, (fmt.name, m, temp)
