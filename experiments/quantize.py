@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -110,8 +111,7 @@ def quantize_and_evaluate(ref: FloatReference, q, out_dir: str, base_hash: str,
                       'calibration data; weight ranges from the weights themselves'},
       'compute_dtype': ref.model.config.dtype,
       'accumulation_dtype': 'int32 for integer dots, float32 otherwise',
-      'compute_path': policy.path + ' (qjax.core.choose_path: int weights on CPU multiply '
-                      'int8 per-token-group activations; dequant on GPU/TPU)',
+      'compute_path': {'policy': policy.path, 'resolved': resolved_path(q, policy)},
       'kv_cache_format': f'{ref.model.config.dtype} (not quantized)',
       'adapter_merge_status': 'no adapters',
       'evaluation': {k: row[k] for k in ('ppl', 'float_ppl', 'max_abs_logit_diff',
@@ -128,6 +128,16 @@ def quantize_and_evaluate(ref: FloatReference, q, out_dir: str, base_hash: str,
   row['seconds'] = time.perf_counter() - t0
   row['out_dir'] = out_dir
   return row
+
+
+def resolved_path(q, policy) -> str:
+  """The qeinsum path the policy's layers take on this backend, stated for the record."""
+  from qjax.core import choose_path  # pylint: disable=g-import-not-at-top
+  if policy.path != 'auto':
+    return policy.path
+  rule = policy.rules[-1]
+  return (f'{choose_path(rule.weight, rule.act)} on {jax.default_backend()} '
+          '(qjax.core.choose_path; see qjax/core/qdot.py)')
 
 
 def base_checkpoint_hash(workdir: str) -> str:

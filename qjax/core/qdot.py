@@ -4,25 +4,54 @@ Compute paths (`path=`):
 
 * `'dequant'`: `einsum(x, dequantize(w))` in the activation dtype. Exact weight-only
   semantics. On GPU/TPU XLA fuses the int->float convert into the matmul's operand load, so
-  no float weight is materialised there; on XLA:CPU it is (a full float copy per call, see
-  NOTES.md), so it is not the CPU default.
+  no float weight is materialised there; on XLA:CPU it is (a full f32 copy of the weight per
+  call: 2-20x f32 time), so it is never the CPU default.
+* `'tiled'` (CPU): weight-only semantics computed as a `fori_loop` over row tiles of the
+  weight (its contracted axes, ~1M elements and at most 1/8 of the weight per tile, whole
+  groups). Each tile's codes are unpacked as separate bit fields (`packing.unpack_fields`,
+  no interleaving), dequantized (or, when scales are constant along the contraction, left as
+  codes and scaled once after the loop), and multiplied by the matching activation columns:
+  bf16 x bf16 with f32 accumulation for M >= 2 rows (XLA:CPU's fused kernel), f32 at M = 1
+  (XLA's own matrix-vector loop, which would widen a bf16 operand anyway). The float tile
+  lives in cache; temp memory is one tile, never a float copy of the weight. Error vs the
+  exact dequantized product: bf16 rounding of x and of the tile, ~52 dB SQNR at M >= 2;
+  exact up to summation order at M = 1.
 * `'int8'`: activations quantized on the fly to int8, symmetric, one scale per token and per
-  weight group (the same idea as llama.cpp's Q8 activation blocks), multiplied with the
-  integer codes by `lax.dot_general(int8, int8, preferred_element_type=int32)`, then
-  rescaled (and zero-point corrected) in f32 after the dot. This is W8A8 when
-  `act_fmt=int8` is requested, and the CPU default for integer weights of <= 8 bits:
-  XLA:CPU runs int8 x int8 -> int32 as a fused kernel that reads the codes directly.
-* `'fp8'`: activations quantized per token to the weight's fp8 kind, fp8 x fp8 dot with f32
-  accumulation.
+  weight group (per token when ungrouped; the same idea as llama.cpp's Q8 activation blocks),
+  multiplied with the integer codes with an exact integer accumulator, then rescaled (and
+  zero-point corrected) in f32. This is W8A8 when `act_fmt=int8` is requested. On CPU it
+  runs tiled as above: int8 values are exact in bf16, so a bf16 x bf16 -> f32 tile dot is an
+  exact integer dot as long as |partial sum| < 2**24; tiles are at most 2**24 / (127 * max
+  |code|) rows (1032 for int8 codes) and partial sums are carried in int32, so the result
+  equals `dot_general(int8, int8, preferred_element_type=int32)` bit for bit. Grouped
+  weights take one group per tile and apply that group's scales to its partial sum.
+  Elsewhere it is that `dot_general` on the whole operands.
+* `'fp8'`: activations quantized per token to the weight's fp8 kind, fp8 x fp8 products with
+  f32 accumulation (tiled on CPU: fp8 values are exact in bf16).
 
-`path='auto'` picks: the activation format's path if one is given; otherwise `'int8'` for
-integer weights on CPU and `'dequant'` elsewhere. The choice is a function of (format,
-backend) only, so it is recorded in conversion records via `choose_path`.
+`path='auto'` picks: the activation format's path if one is given (`'int8'` / `'fp8'`);
+otherwise `'tiled'` on CPU for every weight format and `'dequant'` elsewhere. The choice is a
+function of (format, backend) only, so it is recorded in conversion records via
+`choose_path`.
 
-A weight grouped along a contracted axis is handled exactly by splitting that axis into
-(groups, group size) on both operands, accumulating per group, and applying the group scales
-after the integer dot. At M = 1 (batch-1 decode) XLA:CPU lowers an integer dot to a plain
-loop that widens the weight, so the int8 path pads the token axis to 2 rows there.
+Why, on XLA:CPU (2-core AMD EPYC, 4096x4096 weight, time / f32 time, measured side by side
+by benchmarks/qdot_bench.py under a noisy load of 3-12; see NOTES.md):
+
+* XLA:CPU's fused dot kernel (YNNPACK) re-packs its weight operand every call, and does not
+  fuse an int->float convert into the dot, so "dequantize then dot" writes a full float copy
+  (int8 dequant 2-8x, int4 g128 2.5-9x f32). A plain int8 x int8 -> int32 dot reads the codes
+  directly but gains little (W8A8 0.8-0.95x at M = 8..64, ~1.5-2x at M = 1 padded to 2 rows),
+  and a grouped one needs the group as a batch dimension, which XLA:CPU runs slowly (int4
+  g128 via the batched int8 einsum: 8-17x). Interleaving unpacked 4-bit codes back into one
+  array costs ~2x an f32 matrix-vector product by itself.
+* Tiling keeps the dequantized tile in cache and gives each tile dot a small weight to pack.
+  Three benchmark runs at load 7-10 (M = 1 / 8 / 64): int8 weight-only 0.9-1.1x / 0.45-0.7x
+  / 0.35-0.8x; int4 g128 0.9-1.4x / 0.6-1.1x / 0.4-0.85x; W8A8 1.05-1.5x / 0.42-0.56x /
+  0.32-0.46x. Tiles of 128-512 rows measured alike; bf16 tiles at M = 1 (padded to 2 rows)
+  were slower than f32 tiles.
+* Specs the tiled form cannot express (batch axes shared by x, w and out; weight axes not
+  ordered contracted-then-kept; groups not on the last contracted axis; a scale per weight
+  element) fall back to the whole-operand implementations ('dequant' for 'tiled').
 """
 
 from __future__ import annotations
@@ -98,7 +127,7 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
     act_fmt: activation format for W8A8 / fp8 x fp8 (only its kind matters: activations are
       always quantized dynamically, symmetric, per token and weight group), or None for
       weight-only.
-    path: 'auto', 'dequant', 'int8' or 'fp8' (see the module docstring).
+    path: 'auto', 'dequant', 'tiled', 'int8' or 'fp8' (see the module docstring).
     out_dtype: result dtype (default: x's dtype).
 
   Returns:
@@ -118,11 +147,11 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
     path = choose_path(fmt, act_fmt)
   if path == 'tiled':
     y = _tiled_einsum(xs, ws, out, x, w, None, out_dtype)
-    path = 'dequant' if y is None else path
+    if y is not None:
+      return y
+    path = 'dequant'  # a spec the tiled form cannot express
   if path == 'dequant':
     return jnp.einsum(spec, x, dequantize(w, x.dtype)).astype(out_dtype)
-  if path == 'tiled':
-    return y
   if path == 'int8' and fmt.is_float or path == 'fp8' and not fmt.is_float:
     raise ValueError(f'qeinsum: path={path!r} cannot multiply {fmt.name} weights; use '
                      f"path='{'fp8' if fmt.is_float else 'int8'}' or 'dequant'.")
@@ -134,6 +163,7 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
 
 
 def _integer_like_einsum(xs, ws, out, x, w: QArray, path, out_dtype):
+  """'int8' / 'fp8' as one dot on the whole operands (non-CPU, and specs tiling can't express)."""
   fmt, x0 = w.fmt, x
   contracted = [c for c in ws if c in xs and c not in out]
   view_shape, reduced = grouped_view_shape(w.shape, fmt)
@@ -188,6 +218,7 @@ def _integer_like_einsum(xs, ws, out, x, w: QArray, path, out_dtype):
 
 # ---- the tiled CPU path -------------------------------------------------------------------
 _TILE_ELEMENTS = 2**20  # weight elements per tile: 2 MiB in bf16, 4 MiB in f32 (cache-sized)
+_MIN_TILE_ROWS = 64     # fewer rows per tile cost more in loop overhead than they save
 _EXACT = 2**24          # integers below this add exactly in an f32 accumulator
 
 
@@ -273,7 +304,9 @@ def _tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
   if act_kind is not None and group:
     kt = unit
   else:
-    kt = min(k, unit * max(1, _TILE_ELEMENTS // (n * unit)))
+    # At most ~1/8 of the weight per tile, so no tile is a float copy of the whole weight.
+    rows = max(_MIN_TILE_ROWS, min(_TILE_ELEMENTS // n, k // 8))
+    kt = min(k, unit * max(1, rows // unit))
   if act_kind == 'int':
     bound = _EXACT // (127 * 2**(fmt.bits - 1)) // unit * unit
     if kt > bound:
@@ -290,10 +323,10 @@ def _tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
   else:
     xin = x2.astype(cdt)
 
+  lead = n // kept_shape[-1]
   if fmt.packed:
     per = packing.GROUPS[fmt.bits][0]
     data2 = w.data.reshape(k, -1)
-    lead = n // kept_shape[-1]
     nf = packing.packed_length(kept_shape[-1], fmt.bits) // packing.GROUPS[fmt.bits][1]
     def fields(rows):
       p = rows.reshape(rows.shape[0], lead, -1)
@@ -301,9 +334,10 @@ def _tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
   else:
     per, nf = 1, kept_shape[-1]
     data2 = w.data.reshape(k, n)
-    fields = lambda rows: [rows]
+    def fields(rows):
+      return [rows]
   s_f, z_f = _fields(scale, per, nf, kept_shape), _fields(zp, per, nf, kept_shape)
-  nf_total = n // kept_shape[-1] * nf
+  nf_total = lead * nf
   fold = kq > 1  # scales vary along K: apply them to the tile before the dot
 
   def contrib(start, rows):
@@ -345,13 +379,13 @@ def _tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
   if not fold:  # scales (and zero points) constant along K: apply them once, at the end
     if z_f[0] is not None:  # (c - z) . x  =  c . x  -  z * sum(x)
       xsum = jnp.sum(xq.astype(jnp.int32) if act_kind == 'int' else xin, axis=1)
-      acc = acc - xsum.astype(jnp.float32)[None, :, None] * jnp.stack([z[0] for z in z_f])[:, None]
+      z = jnp.stack([z[0] for z in z_f])[:, None]
+      acc = acc - xsum.astype(jnp.float32)[None, :, None] * z
     if act_kind is not None:
       acc = acc * xscale[None]
     acc = acc * jnp.stack([s[0] for s in s_f])[:, None]
 
   # (per, M, lead * nf) -> (M, kept...) -> out order.
-  lead = n // kept_shape[-1]
   y = acc.reshape(per, m, lead, nf).transpose(1, 2, 3, 0).reshape(m, lead, nf * per)
   y = y[..., :kept_shape[-1]].reshape(m_shape + tuple(kept_shape))
   y_letters = ''.join(x_only) + ws[a:]

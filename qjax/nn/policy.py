@@ -131,7 +131,7 @@ def resolve_format(rule: QuantRule, layer: Einsum, path: str, compute: str = 'au
   try:
     if compute == 'auto':
       choose_path(fmt, rule.act)
-    elif compute != 'dequant' and (compute == 'int8') == fmt.is_float:
+    elif compute in ('int8', 'fp8') and (compute == 'int8') == fmt.is_float:
       raise ValueError(f"path={compute!r} cannot multiply {fmt.name} weights; use 'dequant' "
                        f"or '{'fp8' if fmt.is_float else 'int8'}'.")
   except ValueError as e:

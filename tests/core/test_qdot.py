@@ -143,35 +143,36 @@ class TiledPathTest(chex.TestCase):
       y = qeinsum('TBD,DNH->BNTH', x2, q, path=path)
       assert y.shape == ref.shape and float(qjax.sqnr_db(ref, y)) > 35.0, path
 
-  @pytest.mark.parametrize('m', [1, 3])
-  def test_w8a8_accumulator_exact_across_tiles(self, m):
-    # K = 4096 with worst-case codes: the int32 sum exceeds 2**24, so per-tile f32 partials
-    # must be carried in int32 to stay exact.
-    k = 4096
-    x = jnp.ones((m, k))
-    q = quantize(jnp.ones((k, 16)), int_format(8, channel_axes=(1,)))
-    y = qdot(x, q, act_fmt=int_format(8), path='int8')
-    np.testing.assert_array_equal(np.asarray(q.codes(), np.int64).sum(0), np.full(16, 127 * k))
-    np.testing.assert_allclose(y, np.full((m, 16), float(k)), rtol=1e-6)
-    xr = np.asarray(jax.random.normal(K[0], (m, k)), np.float32)
-    wr = jax.random.normal(K[1], (k, 64))
-    q = quantize(wr, int_format(8, channel_axes=(1,)))
-    xs = np.abs(xr).max(1, keepdims=True) / 127.0
-    xq = np.clip(np.round(xr / xs), -127, 127).astype(np.int64)
-    acc = xq @ np.asarray(q.codes(), np.int64)
-    ref = acc.astype(np.float32) * xs * np.asarray(q.scale, np.float32)
-    y = jax.jit(lambda x, q: qdot(x, q, act_fmt=int_format(8)))(jnp.asarray(xr), q)
-    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize('m', [1, 3])
+def test_w8a8_accumulator_exact_across_tiles(m):
+  # K = 4096 with worst-case codes: the int32 sum exceeds 2**24, so per-tile f32 partials
+  # must be carried in int32 to stay exact.
+  k = 4096
+  x = jnp.ones((m, k))
+  q = quantize(jnp.ones((k, 16)), int_format(8, channel_axes=(1,)))
+  y = qdot(x, q, act_fmt=int_format(8), path='int8')
+  np.testing.assert_array_equal(np.asarray(q.codes(), np.int64).sum(0), np.full(16, 127 * k))
+  np.testing.assert_allclose(y, np.full((m, 16), float(k)), rtol=1e-6)
+  xr = np.asarray(jax.random.normal(K[0], (m, k)), np.float32)
+  wr = jax.random.normal(K[1], (k, 64))
+  q = quantize(wr, int_format(8, channel_axes=(1,)))
+  xs = np.abs(xr).max(1, keepdims=True) / 127.0
+  xq = np.clip(np.round(xr / xs), -127, 127).astype(np.int64)
+  acc = xq @ np.asarray(q.codes(), np.int64)
+  ref = acc.astype(np.float32) * xs * np.asarray(q.scale, np.float32)
+  y = jax.jit(lambda x, q: qdot(x, q, act_fmt=int_format(8)))(jnp.asarray(xr), q)
+  np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
 
-  def test_default_cpu_paths_make_no_float_copy(self):
-    w = jax.random.normal(K[1], (1024, 1024))
-    f32_copy = 1024 * 1024 * 4
-    for fmt, act in [(int_format(4, group_size=128, channel_axes=(1,)), None),
-                     (int_format(8, channel_axes=(1,)), None),
-                     (int_format(8, channel_axes=(1,)), int_format(8))]:
-      q = quantize(w, fmt)
-      for m in [1, 8, 64]:
-        x = jax.random.normal(K[0], (m, 1024))
-        temp = jax.jit(lambda x, q: qdot(x, q, act_fmt=act)).lower(x, q).compile() \
-            .memory_analysis().temp_size_in_bytes
-        assert temp < f32_copy / 2, (fmt.name, m, temp)
+
+def test_default_cpu_paths_make_no_float_copy():
+  w = jax.random.normal(K[1], (1024, 1024))
+  f32_copy = 1024 * 1024 * 4
+  for fmt, act in [(int_format(4, group_size=128, channel_axes=(1,)), None),
+                   (int_format(8, channel_axes=(1,)), None),
+                   (int_format(8, channel_axes=(1,)), int_format(8))]:
+    q = quantize(w, fmt)
+    for m in [1, 8, 64]:
+      x = jax.random.normal(K[0], (m, 1024))
+      temp = jax.jit(lambda x, q: qdot(x, q, act_fmt=act)).lower(x, q).compile() \
+          .memory_analysis().temp_size_in_bytes
+      assert temp < f32_copy / 2, (fmt.name, m, temp)
