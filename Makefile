@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: demo test bench install install-test clean
+.PHONY: demo test test-reference bench install install-test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,8 +20,15 @@ install-test: $(BIN)/python
 demo: install
 	XLA_FLAGS= $(BIN)/python experiments/demo.py --config=configs/demo.py
 
+# --dist loadscope: one worker runs a whole module, so the Gemma model loads once.
 test: install-test
-	$(BIN)/python -m pytest tests -q -n 2 --durations=15
+	$(BIN)/python -m pytest tests -q -n 2 --dist loadscope --durations=15
+
+# Regenerate the goldens live from HF transformers (CPU torch), then compare qjax with them.
+test-reference: install-test
+	$(BIN)/pip install -q -e '.[reference]'
+	XLA_FLAGS= $(BIN)/python scripts/make_reference.py
+	$(BIN)/python -m pytest tests/checkpoints -q -n 2 --dist loadscope
 
 bench: install
 	XLA_FLAGS= $(BIN)/python benchmarks/qdot_bench.py

@@ -1,0 +1,74 @@
+"""The on-disk cache of converted checkpoints (dequantized GGUF weights, built tokenizers).
+
+Entries live under `cache_root()/<kind>/<source sha256>/`, so a changed source file never
+hits a stale entry; `CONVERSION_VERSION` is part of the path too, so a change to the
+conversion code invalidates old entries instead of silently reusing them. Parameters are
+stored as safetensors (no pickle) with their config in the header metadata.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+from typing import Iterator, Mapping, Optional
+
+import numpy as np
+
+from qjax.checkpoints.records import file_sha256
+
+CONVERSION_VERSION = 'v1'  # bump when a conversion's output changes
+
+
+def cache_root() -> pathlib.Path:
+  """$QJAX_CACHE_DIR, or ~/.cache/qjax."""
+  return pathlib.Path(os.environ.get('QJAX_CACHE_DIR', pathlib.Path.home() / '.cache' / 'qjax'))
+
+
+def entry_dir(kind: str, sha256: str, cache_dir: Optional[os.PathLike] = None) -> pathlib.Path:
+  root = pathlib.Path(cache_dir) if cache_dir is not None else cache_root()
+  return root / kind / f'{sha256}-{CONVERSION_VERSION}'
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+  del size, mtime_ns  # part of the memo key only: a rewritten file is hashed again
+  return file_sha256(path)
+
+
+def sha256_of(path: os.PathLike) -> str:
+  """sha256 of a file, memoised per (path, size, mtime) so one process hashes it once."""
+  st = os.stat(path)
+  return _sha256(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+def save_params(path: pathlib.Path, params: Mapping[str, np.ndarray], metadata: dict) -> None:
+  """Write params as safetensors with JSON-encoded metadata, atomically."""
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(f'.tmp{os.getpid()}')
+  save_file({k: np.ascontiguousarray(v) for k, v in params.items()}, str(tmp),
+            metadata={k: json.dumps(v) for k, v in metadata.items()})
+  os.replace(tmp, path)
+
+
+class LazyParams(Mapping):
+  """A safetensors file as a read-on-access {name: np.ndarray} mapping (bounded memory)."""
+
+  def __init__(self, path: os.PathLike):
+    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+    self._file = safe_open(str(path), framework='numpy')
+    self._keys = tuple(self._file.keys())
+    self.metadata = {k: json.loads(v) for k, v in (self._file.metadata() or {}).items()}
+
+  def __getitem__(self, key: str) -> np.ndarray:
+    if key not in self._keys:
+      raise KeyError(key)
+    return self._file.get_tensor(key)
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._keys)
+
+  def __len__(self) -> int:
+    return len(self._keys)
