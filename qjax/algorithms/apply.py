@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Optional
 
 import jax
@@ -31,9 +32,9 @@ import numpy as np
 from flax import nnx
 
 from qjax.algorithms import awq, gptq, llm_int8, smoothquant
-from qjax.algorithms.calibrate import (EinsumView, calibration_batches, collect_stats,
+from qjax.algorithms.calibrate import (EinsumView, calibration_batches, collect_stats, forward,
                                        token_facts)
-from qjax.core import QArray, QFormat, quantize
+from qjax.core import QArray
 from qjax.core.formats import normalize_axis
 from qjax.nn import QuantPolicy, QuantReport, Transformer, einsum_layers, quantize_model
 from qjax.nn.layers import Einsum, parse_spec
@@ -53,10 +54,12 @@ class Stage:
   fold: str  # 'norm' or 'linear'
   into: str  # the RMSNorm / previous Einsum under the block
   heads_tie: bool = False  # rows are (N, H) and the producer's outputs (K, H)
+  into_bias: str = ''  # the producer's output bias, if the model has one (Qwen2's v_bias)
 
 
 BLOCK_STAGES = (Stage(('attn/q_proj', 'attn/k_proj', 'attn/v_proj'), 'norm', 'pre_attn_norm'),
-                Stage(('attn/o_proj',), 'linear', 'attn/v_proj', heads_tie=True),
+                Stage(('attn/o_proj',), 'linear', 'attn/v_proj', heads_tie=True,
+                      into_bias='attn/v_bias'),
                 Stage(('mlp/gate_proj', 'mlp/up_proj'), 'norm', 'pre_mlp_norm'),
                 Stage(('mlp/down_proj',), 'linear', 'mlp/up_proj'))
 HEAD_STAGE = Stage(('lm_head',), 'norm', 'final_norm')
@@ -69,8 +72,8 @@ class InputScale(nnx.Variable):
 class ScaledEinsum(Einsum):
   """`einsum(spec, x / s, w)`: an AWQ / SmoothQuant scale that no producer could absorb.
 
-  `s` has the shape of the contracted weight axes, in weight order. Taps see x / s, the
-  input the (scaled) weight multiplies.
+  `s` has the shape of the contracted weight axes, in weight order. Taps see x (the layer's
+  input); the division happens in `apply`, just before the product.
   """
 
   def __init__(self, layer: Einsum, s):
@@ -79,11 +82,11 @@ class ScaledEinsum(Einsum):
         setattr(self, k, v)
     self.in_scale = InputScale(jnp.asarray(s, jnp.float32))
 
-  def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
+  def apply(self, x: jax.Array, w, out_dtype=None) -> jax.Array:
     xs, cl = parse_spec(self.spec)[0], self.contracted_letters
     s = jnp.transpose(self.in_scale[...], [cl.index(c) for c in xs if c in cl])
     s = s.reshape([x.shape[i] if c in cl else 1 for i, c in enumerate(xs)])
-    return super().__call__(x / s.astype(x.dtype), out_dtype)
+    return super().apply(x / s.astype(x.dtype), w, out_dtype)
 
 
 # ---- options ------------------------------------------------------------------------------
@@ -115,7 +118,7 @@ def _set(root, path: str, value) -> None:
   setattr(_get(root, parent), name, value)
 
 
-def _embed(model: Transformer, tokens_BT):
+def _embed_fwd(model: Transformer, tokens_BT):
   """The input of block 0 (Transformer.__call__'s prologue)."""
   x = model.embed.lookup(tokens_BT, model.config.compute_dtype)
   if model.config.embed_scale:
@@ -123,9 +126,13 @@ def _embed(model: Transformer, tokens_BT):
   return x
 
 
-def _run_block(block, x_BTD):
+def _block_fwd(block, x_BTD):
   b, t = x_BTD.shape[:2]
   return block(x_BTD, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), None)[0]
+
+
+def _head_fwd(model: Transformer, x_BTD):
+  return model.lm_head(model.final_norm(x_BTD), out_dtype=jnp.float32)
 
 
 @dataclasses.dataclass
@@ -137,6 +144,7 @@ class _Ctx:
   layers: dict = dataclasses.field(default_factory=dict)  # per-layer record entries
   stages: list = dataclasses.field(default_factory=list)  # per-stage record entries
   structure: dict = dataclasses.field(default_factory=dict)  # path -> swapped module kind
+  notes: list = dataclasses.field(default_factory=list)
 
   def float_weight(self, path: str):
     """The layer's current float weight: original if quantized by the policy, else qmodel's."""
@@ -196,15 +204,64 @@ def _migrate(ctx: _Ctx, stage: Stage, prefix: str, todo: list, s_nat, plan) -> s
     s_out = s_nat if tie is None else jax.ops.segment_max(s_nat, jnp.asarray(tie),
                                                           num_segments=int(tie.max()) + 1)
     _divide_outputs(prev, s_out)
+    bias = getattr(_get(ctx.qmodel, prefix + stage.into_bias.rpartition('/')[0]),
+                   stage.into_bias.rpartition('/')[2], None) if stage.into_bias else None
+    if bias is not None:  # y = x W + b: both halves of the producer's output carry 1/s
+      b = bias.get_value()
+      bias.set_value((b / jnp.reshape(s_out, b.shape)).astype(b.dtype))
     how = 'QArray per-channel scales' if prev.quantized else 'float weight'
     shared = '' if tie is None else f', s shared by the {ctx.model.config.group_size} ' \
                                     'query head(s) of each kv head'
     return f'previous linear {into} (output channels, {how}{shared})'
-  (p,) = todo
+  (p,) = (prefix + q for q in stage.layers)
   layer = _get(ctx.qmodel, p)
   _set(ctx.qmodel, p, ScaledEinsum(layer, s_nat.reshape(EinsumView.of(layer).contracted_shape)))
   ctx.structure[p] = 'explicit_scale'
   return f'explicit multiply x / s in {p} (ScaledEinsum)'
+
+
+def stage_keys(model: Transformer) -> dict[str, tuple[Stage, str]]:
+  """{path of a stage's first Einsum: (stage, block prefix)} for every stage of `model`."""
+  keys = {f'layers/{i}/{st.layers[0]}': (st, f'layers/{i}/')
+          for i in range(model.config.num_layers) for st in BLOCK_STAGES}
+  if model.lm_head is not None:
+    keys['lm_head'] = (HEAD_STAGE, '')
+  return keys
+
+
+def fold_scales(model: Transformer, scales: dict, fold_linear: bool = True) -> dict[str, str]:
+  """Migrate per-input-channel scales into a float model, in place, as AWQ / SmoothQuant do.
+
+  For each stage (keyed by its first Einsum, see `stage_keys`): the rows of every Einsum
+  reading the stage's input are multiplied by s, and 1/s goes into the producer of that input
+  (`apply_method` does the same, with the stage's weights quantized). In exact arithmetic
+  the model's function is unchanged.
+
+  Args:
+    model: a float Transformer (modified in place).
+    scales: {stage key: s over the contracted elements, natural order}; for o_proj folded
+      into v_proj, s must be equal across the query heads of one kv head.
+    fold_linear: fold o_proj / down_proj scales into v_proj / up_proj (else explicit).
+
+  Returns:
+    {stage key: where 1/s went}.
+  """
+  keys = stage_keys(model)
+  ctx = _Ctx(model, model, {}, {'fold_linear': fold_linear})
+  done = {}
+  for key, s in scales.items():
+    if key not in keys:
+      raise ValueError(f'fold_scales: {key!r} is not a stage; stages are {sorted(keys)}.')
+    stage, prefix = keys[key]
+    plan = _plan_fold(ctx, stage, prefix)
+    s = jnp.asarray(s, jnp.float32).reshape(-1)
+    if plan[2] is not None and not np.allclose(
+        np.asarray(s), np.asarray(jax.ops.segment_max(s, plan[2], int(plan[2].max()) + 1))[
+            plan[2]]):
+      raise ValueError(f'fold_scales: s of {key!r} differs between query heads sharing a kv '
+                       'head, so v_proj cannot absorb it; tie it or pass fold_linear=False.')
+    done[key] = _migrate(ctx, stage, prefix, [], s, plan)
+  return done
 
 
 # ---- one stage, per method ----------------------------------------------------------------
@@ -212,9 +269,13 @@ def _gptq_stage(ctx, stage, prefix, todo, st):
   o = ctx.opts
   for p in todo:
     fmt, layer = ctx.fmts[p][0], _get(ctx.qmodel, p)
-    q, info = gptq.quantize_layer(ctx.float_weight(p), EinsumView.of(layer, fmt), fmt,
-                                  st.hessian, damp=o['damp'], block_size=o['block_size'],
-                                  act_order=o['act_order'])
+    try:
+      q, info = gptq.quantize_layer(ctx.float_weight(p), EinsumView.of(layer, fmt), fmt,
+                                    st.hessian, damp=o['damp'], block_size=o['block_size'],
+                                    act_order=o['act_order'])
+    except ValueError as e:
+      raise ValueError(f'apply_method(gptq): layer {p!r} ({st.count} calibration tokens): '
+                       f'{e}') from None
     layer.w.set_value(q)
     ctx.layers[p] = info
 
@@ -243,34 +304,47 @@ def _smoothquant_stage(ctx, stage, prefix, todo, st):
   s_nat = smoothquant.stage_scales(st.absmax, ws, ctx.opts['alpha'], plan[2])
   for p in todo:
     layer, fmt, w = _get(ctx.qmodel, p), ctx.fmts[p][0], ctx.float_weight(p)
-    ws_ = w.astype(jnp.float32) * s_nat.reshape(EinsumView.of(layer).row_shape())
-    layer.w.set_value(dataclasses.replace(quantize(ws_, fmt), dtype_name=jnp.dtype(w.dtype).name))
+    q = smoothquant.quantize_scaled(w, s_nat, EinsumView.of(layer), fmt)
+    layer.w.set_value(dataclasses.replace(q, dtype_name=jnp.dtype(w.dtype).name))
   fold = _migrate(ctx, stage, prefix, todo, s_nat, plan)
   ctx.stages.append({'layers': todo, 'fold': fold, 'alpha': ctx.opts['alpha'],
                      'scale_range': [float(jnp.min(s_nat)), float(jnp.max(s_nat))]})
 
 
-def _llm_int8_stage(ctx, stage, prefix, todo, st):
+def _llm_int8_convert(ctx: _Ctx) -> None:
+  """Swap every matched stage Einsum for an `LLMInt8Einsum` (no calibration needed)."""
   keep = ctx.opts['outlier_weights'] == 'float'
-  frac = float(np.mean(st.int8_frac))
+  for key, (stage, prefix) in stage_keys(ctx.model).items():
+    for p in (prefix + q for q in stage.layers if prefix + q in ctx.fmts):
+      _set(ctx.qmodel, p, llm_int8.LLMInt8Einsum(_get(ctx.qmodel, p), ctx.opts['threshold'],
+                                                 ctx.float_weight(p) if keep else None))
+      ctx.structure[p] = 'llm_int8'
+
+
+def _llm_int8_stage(ctx, stage, prefix, todo, st):
+  """Record the 8-bit fraction the (already converted) layers see on calibration inputs."""
   for p in todo:
-    layer = _get(ctx.qmodel, p)
-    _set(ctx.qmodel, p, llm_int8.LLMInt8Einsum(layer, ctx.opts['threshold'],
-                                               ctx.float_weight(p) if keep else None))
-    ctx.structure[p] = 'llm_int8'
-    ctx.layers[p] = {'int8_fraction': frac}
+    ctx.layers[p] = {'int8_fraction': float(np.mean(st.int8_frac))}
 
 
 _STAGE_FNS = {'gptq': _gptq_stage, 'awq': _awq_stage, 'smoothquant': _smoothquant_stage,
               'llm_int8': _llm_int8_stage}
 
 
-def _process(ctx: _Ctx, method: str, stage: Stage, prefix: str, src, run, xs) -> None:
+def _process(ctx: _Ctx, method: str, stage: Stage, prefix: str, module, fwd, xs) -> None:
+  """Calibrate and convert one stage; `module` (block or model) runs `fwd` on `xs`."""
   todo = [prefix + q for q in stage.layers if prefix + q in ctx.fmts]
   if not todo:
     return
-  st = collect_stats(run, xs, {todo[0]: _get(src, todo[0])}, _KINDS[method],
-                     ctx.opts.get('threshold'))[todo[0]]
+  rel = todo[0][len(prefix):]  # the stage's layers share their input: tap one of them
+  st = collect_stats(module, fwd, xs, [rel], _KINDS[method], ctx.opts.get('threshold'))[rel]
+  rows = EinsumView.of(_get(module, rel)).rows
+  if method in ('gptq', 'awq') and st.count < rows:
+    msg = (f'{todo[0]}: {st.count} calibration tokens for {rows} input channels; H is rank-'
+           'deficient (damping keeps it invertible) and the fit may not generalise: calibrate '
+           'on more tokens than the widest layer input')
+    warnings.warn(msg)
+    ctx.notes.append(msg)
   _STAGE_FNS[method](ctx, stage, prefix, todo, st)
 
 
@@ -325,21 +399,20 @@ def apply_method(model: Transformer, policy: QuantPolicy, method: str, calib_tok
   fmts = {p: (l.w.get_value().fmt, l.act_fmt) for p, l in einsum_layers(qmodel) if l.quantized}
   _check_formats(method, qmodel, fmts)
   ctx = _Ctx(model, qmodel, fmts, opts)
+  if method == 'llm_int8':  # converted up front: one model structure to compile per block
+    _llm_int8_convert(ctx)
   src = qmodel if opts['sequential'] else model
-  xs = [_embed(src, b) for b in batches]
+  xs = [forward(src, _embed_fwd, b) for b in batches]
   for i in range(cfg.num_layers):
-    block = src.layers[i]
     for stage in BLOCK_STAGES:
-      _process(ctx, method, stage, f'layers/{i}/', src, lambda x, b=block: _run_block(b, x), xs)
-    xs = [_run_block(block, x) for x in xs]
-  notes = []
+      _process(ctx, method, stage, f'layers/{i}/', src.layers[i], _block_fwd, xs)
+    xs = [forward(src.layers[i], _block_fwd, x) for x in xs]
   if model.lm_head is not None:
-    _process(ctx, method, HEAD_STAGE, '', src,
-             lambda x: src.lm_head(src.final_norm(x), out_dtype=jnp.float32), xs)
+    _process(ctx, method, HEAD_STAGE, '', src, _head_fwd, xs)
   elif 'embed' in fmts:
-    notes.append('embed (tied LM head) kept RTN: its table is also the input lookup, so it '
+    ctx.notes.append('embed (tied LM head) kept RTN: its table is also the input lookup, so it '
                  'can be neither rescaled nor fitted to the head\'s inputs alone')
-  record = _record(method, opts, calib_tokens, ctx, notes, time.perf_counter() - t0)
+  record = _record(method, opts, calib_tokens, ctx, time.perf_counter() - t0)
   return qmodel, _report(report, method, ctx), record
 
 
@@ -368,13 +441,13 @@ def _procedure(method: str, o: dict) -> str:
   return text if method == 'rtn' else f'{text}. {seq}; batches of {o["batch_size"]} sequences.'
 
 
-def _record(method, opts, tokens, ctx: _Ctx, notes, seconds) -> dict:
+def _record(method, opts, tokens, ctx: _Ctx, seconds) -> dict:
   rec = {'method': method,
          'data': {'source': opts['source'], 'seed': opts['seed'], **token_facts(tokens)},
          'procedure': _procedure(method, opts), 'sequential': opts['sequential'],
          'options': {k: v for k, v in opts.items() if k not in ('source', 'seed')},
          'layers': ctx.layers, 'stages': ctx.stages, 'structure': ctx.structure,
-         'notes': notes, 'seconds': seconds}
+         'notes': ctx.notes, 'seconds': seconds}
   if method == 'llm_int8':
     macs = {p: EinsumView.of(_get(ctx.model, p)).rows * EinsumView.of(_get(ctx.model, p)).cols
             for p in ctx.layers}
@@ -410,7 +483,7 @@ def rebuild_structure(qmodel: Transformer, calibration_record: dict) -> Transfor
   for p, kind in calibration_record.get('structure', {}).items():
     layer = _get(qmodel, p)
     if kind == 'llm_int8':
-      w = (jnp.zeros(layer.weight_shape, jnp.float32)
+      w = (jnp.zeros(layer.weight_shape, layer.w.get_value().dtype)
            if opts.get('outlier_weights', 'float') == 'float' else None)
       _set(qmodel, p, llm_int8.LLMInt8Einsum(layer, opts.get('threshold', 6.0), w))
     elif kind == 'explicit_scale':

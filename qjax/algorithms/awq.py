@@ -11,15 +11,17 @@ clip search) and is laid back out as the QArray `quantize_model` would store. Fo
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from qjax.algorithms import _checks
-from qjax.algorithms.awq_core import _alpha_errors, awq_scales, awq_search, output_error
+from qjax.algorithms.awq_core import _alpha_errors, awq_scales, awq_search
+from qjax.algorithms.gptq import finish
 from qjax.algorithms.calibrate import EinsumView
-from qjax.core import QArray, QFormat, dequantize, quantize
+from qjax.core import QArray, QFormat
 
 OPTIONS = {'alpha_grid': 20, 'alpha': None, 'clip_search': True, 'clip_grid': 20,
            'max_shrink': 0.5, 'fold_linear': True}
@@ -67,25 +69,30 @@ def search_stage(layers: list[tuple[jax.Array, EinsumView, QFormat]], act_nat: j
   """
   grid = alpha_grid(opts)
   total = jnp.zeros(grid.size)
-  views = []
+  prepared = []
   for w, view, fmt in layers:
-    p = view.row_perm
-    w2, a2, h2 = view.to_2d(jnp.asarray(w, jnp.float32)), act_nat[p], h_nat[p][:, p]
+    w2, a2, h2 = _views(jnp.asarray(w, jnp.float32), act_nat, h_nat, view)
     fmt2 = view.fmt2(fmt)
     _checks.check_int_weight_format(fmt2, f'awq ({view.spec})')
     total = total + _alpha_errors(w2, a2, h2, jnp.asarray(grid), fmt=fmt2)
-    views.append((w, view, fmt, w2, a2, h2, fmt2))
+    prepared.append((w, view, fmt, w2, a2, h2, fmt2))
   i = int(jnp.argmin(total))
   alpha = float(grid[i])
   qs, err, rtn = [], 0.0, 0.0
-  for w, view, fmt, w2, a2, h2, fmt2 in views:
+  for w, view, fmt, w2, a2, h2, fmt2 in prepared:
     r = awq_search(w2, a2, h2, fmt2, alpha=alpha, clip_search=bool(opts['clip_search']),
                    clip_grid=int(opts['clip_grid']), max_shrink=float(opts['max_shrink']))
-    qs.append(dataclasses.replace(view.to_qarray(r.qweight, fmt),
-                                  dtype_name=jnp.dtype(w.dtype).name))
+    q, _, e_rtn = finish(w2, h2, r.qweight, view, fmt)
+    qs.append(dataclasses.replace(q, dtype_name=jnp.dtype(w.dtype).name))
     err += r.error
-    rtn += float(output_error(w2 - dequantize(quantize(w2, fmt2), jnp.float32), h2))
+    rtn += float(e_rtn)
   s_nat = awq_scales(act_nat, alpha)
   return s_nat, qs, {'alpha': alpha, 'grid_errors': [float(e) for e in total],
                      'output_error': err, 'rtn_output_error': rtn,
                      'scale_range': [float(jnp.min(s_nat)), float(jnp.max(s_nat))]}
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _views(w, act_nat, h_nat, view: EinsumView):
+  p = view.row_perm
+  return view.to_2d(w), act_nat[p], h_nat[p][:, p]

@@ -7,7 +7,7 @@
   `group_size` consecutive elements of the last, e.g. the same H-slice of every head of an
   'NHD' o_proj) is a contiguous run of rows; `to_qarray` maps a 2-D result back to exactly
   the QArray layout `quantize_model` stores.
-* `collect_stats`: runs a forward function over batches with a tap on chosen Einsums
+* `collect_stats`: runs a forward function (jitted) over batches with a tap on the Einsums
   (`qjax.nn.layers.tap_inputs`, no model code edited) and streams, per layer input, the
   Hessian 2 X^T X / n, mean |x|, max |x| and the LLM.int8() 8-bit fraction. Memory is
   O(rows^2) per layer, whatever the number of batches.
@@ -22,16 +22,18 @@ import dataclasses
 import functools
 import hashlib
 import math
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from qjax.algorithms.awq_core import absmean_update
 from qjax.algorithms.gptq_core import hessian_update
 from qjax.core import QArray, QFormat, grouped_view_shape, pack, quantize
 from qjax.core.formats import normalize_axis
+from qjax.nn import einsum_layers
 from qjax.nn.layers import Einsum, parse_spec, tap_inputs
 
 STATS = ('hessian', 'absmean', 'absmax', 'int8_frac')
@@ -210,71 +212,97 @@ class InputStats:
   int8_frac: list = dataclasses.field(default_factory=list)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _batch_stats(x, view: EinsumView, kinds: tuple[str, ...], threshold) -> dict:
+  """One batch's statistics of a layer input (natural rows), in one compiled call."""
+  xr = view.x_rows(x).astype(jnp.float32)
+  amax = jnp.max(jnp.abs(xr), axis=0)
+  b = {'count': xr.shape[0], 'absmax': amax}
+  if 'hessian' in kinds:
+    b['hessian'] = hessian_update(None, xr, 0)[0]
+  if 'absmean' in kinds:
+    b['absmean'] = absmean_update(None, xr, 0)[0]
+  if 'int8_frac' in kinds:
+    b['int8_frac'] = jnp.mean(amax <= threshold)
+  return b
+
+
 def _mean_merge(a, ca, b, cb):
   return b if a is None else a * (ca / (ca + cb)) + b * (cb / (ca + cb))
 
 
-def collect_stats(run: Callable[[object], object], batches: Iterable,
-                  layers: Mapping[str, Einsum], kinds: Iterable[str] = ('hessian',),
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _capture(graphdef, state, batch, fwd):
+  """(fwd(module, batch), {path: input} of every Einsum the forward calls), traced once."""
+  module = nnx.merge(graphdef, state)
+  names = {id(l): p for p, l in einsum_layers(module)}
+  inputs = {}
+
+  def tap(layer, x):
+    if id(layer) in names:
+      inputs.setdefault(names[id(layer)], x)
+
+  with tap_inputs(tap):
+    out = fwd(module, batch)
+  return out, inputs
+
+
+def forward(module: nnx.Module, fwd: Callable, batch):
+  """`fwd(module, batch)` jitted (`fwd` a module-level function: it is a static argument)."""
+  graphdef, state = nnx.split(module)
+  return _capture(graphdef, state, batch, fwd)[0]
+
+
+def collect_stats(module: nnx.Module, fwd: Callable, batches: Iterable, layers: Iterable[str],
+                  kinds: Iterable[str] = ('hessian',),
                   threshold: Optional[float] = None) -> dict[str, InputStats]:
-  """Stream statistics of the inputs of `layers` over `run(batch)` for every batch.
+  """Stream statistics of the inputs of some Einsums of `module` over calibration batches.
+
+  The forward runs jitted (one compile per module structure and batch shape) and returns the
+  input of every Einsum it calls (the tap is `qjax.nn.layers.tap_inputs`); the statistics are
+  folded in batch by batch, so memory is one batch of activations plus O(rows^2) per layer.
 
   Args:
-    run: runs the forward that calls the layers (e.g. one transformer block), eagerly.
-    batches: its inputs, one per call.
-    layers: {name: Einsum} to tap; layers fed the same array share its batch statistics.
+    module: the module holding the layers (e.g. one transformer block).
+    fwd: module-level function `fwd(module, batch)` running the forward that calls them.
+    batches: inputs of `fwd`, one per call.
+    layers: Einsum paths under `module` (e.g. 'attn/q_proj').
     kinds: any of 'hessian', 'absmean', 'absmax', 'int8_frac' (needs `threshold`).
     threshold: the LLM.int8() outlier threshold for 'int8_frac'.
 
   Returns:
-    {name: InputStats}.
+    {path: InputStats}.
 
   Raises:
-    ValueError: an input holds NaN/Inf (naming the layer, batch and row), or a layer was
-      never called by `run`.
+    ValueError: an input holds NaN/Inf (naming the layer, batch and row), or a layer is not
+      called by `fwd`.
   """
-  kinds = set(kinds)
+  kinds, layers = set(kinds), list(layers)
   if kinds - set(STATS):
     raise ValueError(f'collect_stats: unknown kinds {sorted(kinds - set(STATS))}; use {STATS}.')
-  names = {id(l): n for n, l in layers.items()}
-  views = {n: EinsumView.of(l) for n, l in layers.items()}
+  all_layers = dict(einsum_layers(module))
+  views = {n: EinsumView.of(all_layers[n]) for n in layers}
   stats = {n: InputStats() for n in layers}
+  graphdef, state = nnx.split(module)
   for bi, batch in enumerate(batches):
-    cache = {}  # id(x) -> (x, batch stats); holding x keeps its id unique within the batch
-
-    def tap(layer, x, bi=bi, cache=cache):
-      name = names.get(id(layer))
-      if name is None:
-        return
-      if id(x) not in cache:
-        xr = views[name].x_rows(x).astype(jnp.float32)
-        amax = jnp.max(jnp.abs(xr), axis=0)  # NaN and Inf propagate into it
-        if not np.isfinite(np.asarray(amax)).all():
-          bad = np.argwhere(~np.isfinite(np.asarray(xr)))[0]
-          raise ValueError(f'calibration: the input of {name!r} in batch {bi} holds NaN/Inf '
-                           f'(token {bad[0]}, row {bad[1]}); the model overflowed or the '
-                           'weights are corrupt. Calibrate in float32 on finite weights.')
-        b = {'count': xr.shape[0], 'absmax': amax}
-        if 'hessian' in kinds:
-          b['hessian'] = hessian_update(None, xr, 0)[0]
-        if 'absmean' in kinds:
-          b['absmean'] = absmean_update(None, xr, 0)[0]
-        if 'int8_frac' in kinds:
-          b['int8_frac'] = float(jnp.mean(amax <= threshold))
-        cache[id(x)] = (x, b)
-      b, s = cache[id(x)][1], stats[name]
+    inputs = _capture(graphdef, state, batch, fwd)[1]
+    for name in layers:
+      if name not in inputs:
+        raise ValueError(f'calibration: layer {name!r} is not called by {fwd.__name__}; '
+                         f'called Einsums: {sorted(inputs)}.')
+      b = _batch_stats(inputs[name], views[name], tuple(sorted(kinds)), threshold)
+      if not np.isfinite(np.asarray(b['absmax'])).all():  # NaN and Inf propagate into it
+        xr = np.asarray(views[name].x_rows(inputs[name]))
+        bad = np.argwhere(~np.isfinite(xr))[0]
+        raise ValueError(f'calibration: the input of {name!r} in batch {bi} holds NaN/Inf '
+                         f'(token {bad[0]}, row {bad[1]}); the model overflowed or the '
+                         'weights are corrupt. Calibrate in float32 on finite weights.')
+      s, m = stats[name], int(b['count'])
       for k in ('hessian', 'absmean'):
         if k in b:
-          setattr(s, k, _mean_merge(getattr(s, k), s.count, b[k], b['count']))
-      s.absmax = b['absmax'] if s.absmax is None else jnp.maximum(s.absmax, b['absmax'])
+          setattr(s, k, _mean_merge(getattr(s, k), s.count, b[k], m))
       if 'int8_frac' in b:
-        s.int8_frac.append(b['int8_frac'])
-      s.count += b['count']
-
-    with tap_inputs(tap):
-      run(batch)
-  missing = [n for n, s in stats.items() if s.count == 0]
-  if missing:
-    raise ValueError(f'calibration: layers {missing} were never called by the forward pass; '
-                     'check that they belong to the model being calibrated.')
+        s.int8_frac.append(float(b['int8_frac']))
+      s.absmax = b['absmax'] if s.absmax is None else jnp.maximum(s.absmax, b['absmax'])
+      s.count += m
   return stats

@@ -10,6 +10,7 @@ store (same format, shapes and packing), so the model runs it through `qeinsum` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,12 +50,23 @@ def quantize_layer(w: jax.Array, view: EinsumView, fmt: QFormat, h_nat: jax.Arra
     (QArray in the layout of `quantize(w, fmt)`, {'output_error', 'rtn_output_error'}: the
     mean squared output error per token, 1/2 tr(dW^T H dW), of GPTQ and of RTN).
   """
-  p = view.row_perm
-  w2 = view.to_2d(jnp.asarray(w, jnp.float32))
-  h2 = h_nat[p][:, p]
+  w2, h2 = _views(jnp.asarray(w, jnp.float32), h_nat, view)
   fmt2 = view.fmt2(fmt)
   q2 = gptq_quantize(w2, h2, fmt2, damp=damp, block_size=block_size, act_order=act_order)
-  err = float(output_error(w2 - dequantize(q2, jnp.float32), h2))
-  rtn = float(output_error(w2 - dequantize(quantize(w2, fmt2), jnp.float32), h2))
-  q = dataclasses.replace(view.to_qarray(q2, fmt), dtype_name=jnp.dtype(w.dtype).name)
-  return q, {'output_error': err, 'rtn_output_error': rtn}
+  q, err, rtn = finish(w2, h2, q2, view, fmt)
+  q = dataclasses.replace(q, dtype_name=jnp.dtype(w.dtype).name)
+  return q, {'output_error': float(err), 'rtn_output_error': float(rtn)}
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _views(w, h_nat, view: EinsumView):
+  p = view.row_perm
+  return view.to_2d(w), h_nat[p][:, p]
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def finish(w2, h2, q2: QArray, view: EinsumView, fmt: QFormat):
+  """(q2 in the layer's QArray layout, its output error, RTN's output error), compiled once."""
+  err = output_error(w2 - dequantize(q2, jnp.float32), h2)
+  rtn = output_error(w2 - dequantize(quantize(w2, q2.fmt), jnp.float32), h2)
+  return view.to_qarray(q2, fmt), err, rtn

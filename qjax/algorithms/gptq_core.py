@@ -215,5 +215,10 @@ def gptq_quantize(w_DF: jax.Array, h_DD: jax.Array, fmt: QFormat, *, damp: float
     lo, hi = lo[:, :f if per_channel else 1], hi[:, :f if per_channel else 1]
   else:
     lo, hi = lo[:, None, :f if per_channel else 1], hi[:, None, :f if per_channel else 1]
-  q = quantize(rec, fmt, calibration=(lo, hi))
+  q = _quantize_with_range(rec, lo, hi, fmt)
   return dataclasses.replace(q, dtype_name=jnp.dtype(w_DF.dtype).name)
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _quantize_with_range(w, lo, hi, fmt: QFormat) -> QArray:
+  return quantize(w, fmt, calibration=(lo, hi))  # one compile, not a dozen eager ops

@@ -24,7 +24,7 @@ from flax import nnx
 from qjax.core import QArray, dequantize, qeinsum
 from qjax.core.formats import normalize_axis
 from qjax.core.qdot import INT8_ACT
-from qjax.nn.layers import Einsum, notify_taps, parse_spec
+from qjax.nn.layers import Einsum, parse_spec
 
 OPTIONS = {'threshold': 6.0, 'outlier_weights': 'float'}
 OUTLIER_WEIGHTS = ('float', 'int8')
@@ -66,23 +66,19 @@ class LLMInt8Einsum(Einsum):
     self.threshold = float(threshold)
     self.w_outlier = None if w_float is None else nnx.Param(w_float)
 
-  def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
-    notify_taps(self, x)
-    y, _ = self.forward(x, out_dtype)
-    return y
+  def apply(self, x: jax.Array, w, out_dtype=None) -> jax.Array:
+    return self.forward(x, w, out_dtype)[0]
 
-  def forward(self, x: jax.Array, out_dtype=None) -> tuple[jax.Array, jax.Array]:
-    """(y, fraction of input features multiplied in int8) for one call."""
+  def forward(self, x: jax.Array, qw: QArray, out_dtype=None) -> tuple[jax.Array, jax.Array]:
+    """(y, fraction of input features multiplied in int8) for one call with weight `qw`."""
     out_dtype = out_dtype or x.dtype
-    xs, _, _ = parse_spec(self.spec)
-    cl = self.contracted_letters
-    tokens = tuple(i for i, c in enumerate(xs) if c not in cl)
+    xs = parse_spec(self.spec)[0]
+    tokens = tuple(i for i, c in enumerate(xs) if c not in self.contracted_letters)
     outlier = jnp.max(jnp.abs(x), axis=tokens, keepdims=True) > self.threshold
-    qw = self.w.get_value()
     x_int8 = jnp.where(outlier, jnp.zeros((), x.dtype), x)
     x_float = jnp.where(outlier, x, jnp.zeros((), x.dtype))
     y = qeinsum(self.spec, x_int8, qw, act_fmt=INT8_ACT, path='int8', out_dtype=out_dtype)
-    w = dequantize(qw, x.dtype) if self.w_outlier is None else self.w_outlier[...]
+    wf = dequantize(qw, x.dtype) if self.w_outlier is None else self.w_outlier[...]
     # The float part is the float layer's own einsum, so threshold 0 reproduces it exactly.
-    y = y + jnp.einsum(self.spec, x_float, w.astype(x.dtype), preferred_element_type=out_dtype)
+    y = y + jnp.einsum(self.spec, x_float, wf.astype(x.dtype), preferred_element_type=out_dtype)
     return y, 1.0 - jnp.mean(outlier.astype(jnp.float32))

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 from typing import Optional
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from qjax.algorithms import _checks
+from qjax.algorithms.calibrate import EinsumView
 from qjax.algorithms.smoothquant_core import smooth_scales
+from qjax.core import QArray, QFormat, quantize
 
 OPTIONS = {'alpha': 0.5, 'fold_linear': True}
 
@@ -47,3 +51,9 @@ def stage_scales(amax_nat: jax.Array, weights_nat: list[jax.Array], alpha: float
   a = jax.ops.segment_max(amax_nat, tie, num_segments=n)
   wm = jax.ops.segment_max(w_rowmax, tie, num_segments=n)
   return smooth_scales(a, wm[:, None], alpha)[jnp.asarray(tie)]
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def quantize_scaled(w: jax.Array, s_nat: jax.Array, view: EinsumView, fmt: QFormat) -> QArray:
+  """`quantize(diag(s) w, fmt)` for an Einsum weight (s over its contracted elements)."""
+  return quantize(w.astype(jnp.float32) * s_nat.reshape(view.row_shape()), fmt)

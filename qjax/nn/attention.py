@@ -14,6 +14,7 @@ from flax import nnx
 
 from qjax.nn import axes
 from qjax.nn import kvcache
+from qjax.nn import shard_hooks
 from qjax.nn.config import TransformerConfig
 from qjax.nn.layers import Einsum, RMSNorm
 from qjax.nn.rope import apply_rope
@@ -87,6 +88,16 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(h, axes.HEAD_DIM, **kw)
     else:
       self.q_norm = self.k_norm = None
+    if cfg.qkv_bias:
+      zeros = lambda *shape: jnp.zeros(shape, jnp.dtype(pd))
+      self.q_bias = nnx.Param(zeros(n, h), out_sharding=(axes.Q_HEADS, axes.HEAD_DIM),
+                              eager_sharding=False)
+      self.k_bias = nnx.Param(zeros(k, h), out_sharding=(axes.KV_HEADS, axes.HEAD_DIM),
+                              eager_sharding=False)
+      self.v_bias = nnx.Param(zeros(k, h), out_sharding=(axes.KV_HEADS, axes.HEAD_DIM),
+                              eager_sharding=False)
+    else:
+      self.q_bias = self.k_bias = self.v_bias = None
     self.layer = layer
     self.window = cfg.window(layer)
     self.rope_base = cfg.rope_base_for(layer)
@@ -108,11 +119,21 @@ class Attention(nnx.Module):
     q_BTNH = self.q_proj(x_BTD)
     k_BTKH = self.k_proj(x_BTD)
     v_BTKH = self.v_proj(x_BTD)
+    if self.q_bias is not None:
+      q_BTNH = q_BTNH + self.q_bias[...].astype(q_BTNH.dtype)
+      k_BTKH = k_BTKH + self.k_bias[...].astype(k_BTKH.dtype)
+      v_BTKH = v_BTKH + self.v_bias[...].astype(v_BTKH.dtype)
     if self.q_norm is not None:
       q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
     q_BTNH = apply_rope(q_BTNH, positions_BT, self.rope_base) * jnp.asarray(
         self.scale_q, q_BTNH.dtype)
     k_BTKH = apply_rope(k_BTKH, positions_BT, self.rope_base)
+    out_BTNH, cache = shard_hooks.current().attention(self.core, q_BTNH, k_BTKH, v_BTKH,
+                                                      positions_BT, cache)
+    return self.o_proj(out_BTNH), cache
+
+  def core(self, q_BTNH, k_BTKH, v_BTKH, positions_BT, cache):
+    """Write the new keys/values to the cache, read it back, attend: (out_BTNH, cache)."""
     if cache is None:
       k_BSKH, v_BSKH, k_pos_BS = k_BTKH, v_BTKH, positions_BT
     else:
@@ -121,4 +142,4 @@ class Attention(nnx.Module):
     out_BTNH = attend(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
                       positions_BT, k_pos_BS, window=self.window,
                       logit_softcap=self.logit_softcap)
-    return self.o_proj(out_BTNH), cache
+    return out_BTNH, cache

@@ -20,6 +20,20 @@ MLP = 'mlp'              # F
 BATCH = 'batch'          # B
 LENGTH = 'length'        # T
 CACHE_LENGTH = 'cache_length'  # S
+# An activation's D, F or heads may be sharded differently from the weight's (2D
+# weight-stationary: weights E_x F_yz, activations between layers E_xyz), so they are named
+# apart from the weight axes.
+ACT_EMBED = 'act_embed'        # D of activations (the residual stream, projection outputs)
+ACT_MLP = 'act_mlp'            # F of the MLP hidden activations
+ACT_HEADS = 'act_heads'        # N of queries and attention outputs
+ACT_KV_HEADS = 'act_kv_heads'  # K of keys/values, and of the KV cache
+ACT_VOCAB = 'act_vocab'        # V of the logits
+CACHE_BATCH = 'cache_batch'    # B inside attention and of the KV cache (multiquery
+                               # batch-sharded attention splits it, the residual's B is not)
+
+# Logical axes of activations by einsum letter (`shard_hooks.constrain(x, 'BTD')`).
+ACT_AXES = {'B': BATCH, 'T': LENGTH, 'S': CACHE_LENGTH, 'D': ACT_EMBED, 'F': ACT_MLP,
+            'N': ACT_HEADS, 'K': ACT_KV_HEADS, 'H': HEAD_DIM, 'V': ACT_VOCAB}
 
 # Weight layouts, by einsum letters of the weight operand.
 WEIGHT_AXES = {
@@ -31,4 +45,4 @@ WEIGHT_AXES = {
     'DF': (EMBED, MLP),
     'FD': (MLP, EMBED),
 }
-KV_CACHE_AXES = (BATCH, CACHE_LENGTH, KV_HEADS, HEAD_DIM)  # k_BSKH, v_BSKH
+KV_CACHE_AXES = (CACHE_BATCH, CACHE_LENGTH, ACT_KV_HEADS, HEAD_DIM)  # k_BSKH, v_BSKH

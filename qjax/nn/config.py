@@ -51,6 +51,7 @@ class TransformerConfig:
     query_scale: multiplier of queries (None: 1 / sqrt(H)).
     dtype: compute dtype name; softmax and norms run in float32 regardless.
     param_dtype: parameter dtype name.
+    qkv_bias: learned biases on the q/k/v projections (Qwen2), added before qk norm and RoPE.
   """
 
   vocab_size: int
@@ -77,6 +78,7 @@ class TransformerConfig:
   query_scale: Optional[float] = None
   dtype: str = 'float32'
   param_dtype: str = 'float32'
+  qkv_bias: bool = False
 
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads',
@@ -186,6 +188,7 @@ def num_params(cfg: TransformerConfig) -> int:
   d, h = cfg.d_model, cfg.head_dim
   attn = d * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
   norms = d * (4 if cfg.post_norms else 2) + (2 * h if cfg.qk_norm else 0)
-  layer = attn + 3 * d * cfg.d_ff + norms
+  bias = h * (cfg.num_heads + 2 * cfg.num_kv_heads) if cfg.qkv_bias else 0
+  layer = attn + 3 * d * cfg.d_ff + norms + bias
   head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
   return cfg.vocab_size * d + cfg.num_layers * layer + d + head

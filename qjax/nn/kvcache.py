@@ -12,17 +12,33 @@ already hides them.
 
 Every layer keeps S slots, local ones too (a ring buffer of the window is a later
 optimisation; it changes only this module).
+
+Quantized storage: `init_cache(..., fmt='int8')` (or 'int4', 'fp8', 'fp8_e5m2', or a
+`QFormat` with a scale per token and kv head) stores every layer's keys and values as a
+`QArray`; `write` quantizes the new tokens, `read` dequantizes. Scales never span tokens, so
+a write never changes what earlier tokens decode to. `cache.format` names the storage (for
+conversion records).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
 
+from qjax.core import QArray, QFormat, dequantize, fp8_format, int_format, quantize
 from qjax.nn.config import TransformerConfig
+
+# Quantized cache formats by name: a scale per (batch, slot, kv head), shared by the H
+# features of one head. (A QFormat may also group H, e.g. group_size=32, group_axis=3.)
+KV_FORMATS = {
+    'int8': int_format(8, channel_axes=(0, 1, 2)),
+    'int4': int_format(4, channel_axes=(0, 1, 2)),
+    'fp8': fp8_format('e4m3', channel_axes=(0, 1, 2)),
+    'fp8_e5m2': fp8_format('e5m2', channel_axes=(0, 1, 2)),
+}
 
 
 @jax.tree_util.register_dataclass
@@ -31,13 +47,13 @@ class KVCache:
   """Cached keys and values.
 
   Attributes:
-    k: per layer, keys k_BSKH (after RoPE), in the cache dtype.
+    k: per layer, keys k_BSKH (after RoPE), in the cache dtype or as a QArray.
     v: per layer, values v_BSKH.
     length: int32 scalar, positions written so far (the next write goes to this slot).
   """
 
-  k: tuple[jax.Array, ...]
-  v: tuple[jax.Array, ...]
+  k: tuple[Union[jax.Array, QArray], ...]
+  v: tuple[Union[jax.Array, QArray], ...]
   length: jax.Array
 
   @property
@@ -52,16 +68,33 @@ class KVCache:
   def num_layers(self) -> int:
     return len(self.k)
 
+  @property
+  def qformat(self) -> Optional[QFormat]:
+    """The QFormat of quantized storage, or None for a float cache."""
+    return self.k[0].fmt if isinstance(self.k[0], QArray) else None
+
+  @property
+  def format(self) -> str:
+    """Storage format for records: a dtype name ('float32') or a QFormat name ('int8-ch012')."""
+    fmt = self.qformat  # QArray keeps axes negative; name them as init_cache took them
+    if fmt is None:
+      return jnp.dtype(self.k[0].dtype).name
+    return fmt.replace(channel_axes=tuple(a % 4 for a in fmt.channel_axes),
+                       group_axis=fmt.group_axis % 4).name
+
 
 def init_cache(config: TransformerConfig, batch: int, max_len: Optional[int] = None,
-               dtype=None) -> KVCache:
+               dtype=None, fmt: Union[None, str, QFormat] = None) -> KVCache:
   """An empty cache.
 
   Args:
     config: the model's config (layers, K, H).
     batch: B.
     max_len: S, the longest prompt + generation the cache holds (default `config.max_len`).
-    dtype: storage dtype (default `config.dtype`).
+    dtype: storage dtype of a float cache, and the dtype a quantized one reads back as
+      (default `config.dtype`).
+    fmt: None (float storage), a name in `KV_FORMATS`, or a QFormat whose scales are per
+      token and kv head (channel axes 0, 1, 2 of k_BSKH; groups only along H).
 
   Returns:
     A KVCache of zeros with length 0.
@@ -74,7 +107,10 @@ def init_cache(config: TransformerConfig, batch: int, max_len: Optional[int] = N
     raise ValueError(f'init_cache: batch={batch} must be >= 1.')
   shape = (batch, max_len, config.num_kv_heads, config.head_dim)
   dtype = jnp.dtype(dtype or config.dtype)
+  fmt = _check_format(fmt, shape)
   def zeros():  # distinct buffers per leaf, so that the cache can be donated
+    if fmt is not None:  # all-zero groups quantize to codes 0, scale 1
+      return tuple(quantize(jnp.zeros(shape, dtype), fmt) for _ in range(config.num_layers))
     return tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
   return KVCache(k=zeros(), v=zeros(), length=jnp.zeros((), jnp.int32))
 
@@ -92,11 +128,40 @@ def check_fits(cache: KVCache, num_new: int) -> None:
                        f'max_len={cache.max_len}; build a longer cache or stop generating.')
 
 
+def _check_format(fmt, shape) -> Optional[QFormat]:
+  """The QFormat for `fmt`, or None; rejects scales that would span tokens or heads."""
+  if fmt is None:
+    return None
+  if isinstance(fmt, str):
+    if fmt not in KV_FORMATS:
+      raise ValueError(f'init_cache: fmt={fmt!r} is unknown; use one of {sorted(KV_FORMATS)} '
+                       'or a QFormat.')
+    fmt = KV_FORMATS[fmt]
+  channels = {a % 4 for a in fmt.channel_axes}
+  grouped_h = fmt.group_size is not None and fmt.group_axis % 4 == 3
+  if not {0, 1, 2} <= channels or (fmt.group_size is not None and not grouped_h):
+    raise ValueError(f'init_cache: KV format {fmt.name} must have a scale per token and kv '
+                     f'head (channel_axes containing 0, 1, 2 of k_BSKH, groups only along '
+                     f'axis 3), got channel_axes={fmt.channel_axes}, group_axis='
+                     f'{fmt.group_axis}; otherwise writing a token would rescale earlier '
+                     "ones. Use e.g. KV_FORMATS['int8'].")
+  if grouped_h and shape[3] % fmt.group_size:
+    raise ValueError(f'init_cache: KV format {fmt.name} groups head_dim={shape[3]} by '
+                     f'{fmt.group_size}, which does not divide it; use a divisor of it.')
+  return fmt
+
+
 def write(cache: KVCache, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array) -> KVCache:
   """Write T new keys/values of `layer` at slot `cache.length` (does not advance)."""
   def put(arrs, new):
-    upd = jax.lax.dynamic_update_slice_in_dim(arrs[layer], new.astype(arrs[layer].dtype),
-                                              cache.length, axis=1)
+    old = arrs[layer]
+    if isinstance(old, QArray):  # quantize on write; every leaf has S on axis 1
+      new = quantize(new.astype(old.dtype), old.fmt)
+      upd = jax.tree.map(lambda o, n: jax.lax.dynamic_update_slice_in_dim(
+          o, n.astype(o.dtype), cache.length, axis=1), old, new)
+    else:
+      upd = jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), cache.length,
+                                                axis=1)
     return arrs[:layer] + (upd,) + arrs[layer + 1:]
   return dataclasses.replace(cache, k=put(cache.k, k_BTKH), v=put(cache.v, v_BTKH))
 
@@ -104,7 +169,10 @@ def write(cache: KVCache, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array) -> K
 def read(cache: KVCache, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(k_BSKH, v_BSKH, positions_1S) of `layer`; slot s holds position s."""
   pos_1S = jnp.arange(cache.max_len, dtype=jnp.int32)[None]
-  return cache.k[layer], cache.v[layer], pos_1S
+  k, v = cache.k[layer], cache.v[layer]
+  if isinstance(k, QArray):
+    k, v = dequantize(k), dequantize(v)
+  return k, v, pos_1S
 
 
 def next_positions(cache: KVCache, num_new: int) -> jax.Array:

@@ -19,6 +19,7 @@ streams statistics from it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Callable, Optional
 
@@ -26,7 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.core import QArray, QFormat, dequantize, fake_quant, qeinsum, round_ste
+from qjax.core import (QArray, QFormat, dequantize, fake_quant, qeinsum, round_ste,
+                       scale_and_zero_point)
+from qjax.nn import shard_hooks
 
 
 _TAPS: list = []  # active `tap_inputs` callbacks
@@ -72,23 +75,42 @@ class QATScale(nnx.Variable):
 
 
 _MIN_SCALE = 1e-12  # a learned step size never reaches 0 (or flips sign)
+_ROUND = QFormat()  # an integer format: `round_ste` rounds to integers under it
+
+
+def _positive_integer(scale, zero_point, fmt: QFormat):
+  """A learned step size kept positive; a learned zero point rounded (STE) into [qmin, qmax]."""
+  s = jnp.maximum(scale.astype(jnp.float32), _MIN_SCALE)
+  if fmt.symmetric or zero_point is None:
+    return s, None
+  return s, jnp.clip(round_ste(zero_point.astype(jnp.float32), _ROUND), fmt.qmin, fmt.qmax)
+
+
+def learned_range(scale, zero_point, fmt: QFormat):
+  """The range (lo, hi) a learned step size s and zero point z span: +-qmax s, or (q - z) s."""
+  s, z = _positive_integer(scale, zero_point, fmt)
+  if z is None:
+    return -s * fmt.qmax, s * fmt.qmax
+  return (fmt.qmin - z) * s, (fmt.qmax - z) * s
 
 
 def learned_qparams(scale, zero_point, fmt: QFormat):
   """The (scale, zero point) a learned pair stands for: what the forward uses and stores.
 
-  The scale is kept positive, made a power of two for `pow2_scale` formats (rounding its
-  log2 with the STE) and rounded to `fmt.scale_dtype`; the zero point is rounded (STE) to an
-  integer code in [qmin, qmax]. Gradients pass straight through both roundings.
+  The zero point is rounded (straight-through) to a code in [qmin, qmax]. A `pow2_scale`
+  step size becomes the power of two nearest in log2 (straight-through). Any other is
+  mapped through the core's `scale_and_zero_point` of its `learned_range`: the arithmetic
+  `quantize` applies to that range at conversion, so the stored scale is the one trained.
   """
-  s = jnp.maximum(scale.astype(jnp.float32), _MIN_SCALE)
+  s, z = _positive_integer(scale, zero_point, fmt)
   if fmt.pow2_scale:
-    s = jnp.exp2(round_ste(jnp.log2(s), QFormat()))
-  s = s.astype(jnp.dtype(fmt.scale_dtype)).astype(jnp.float32)
-  if zero_point is None or fmt.symmetric:
-    return s, None
-  z = jnp.clip(round_ste(zero_point.astype(jnp.float32), QFormat()), fmt.qmin, fmt.qmax)
-  return s, z.astype(jnp.dtype(fmt.scale_dtype)).astype(jnp.float32)
+    s = jnp.exp2(round_ste(jnp.log2(s), _ROUND))
+    return s.astype(jnp.dtype(fmt.scale_dtype)).astype(jnp.float32), z
+  lo, hi = learned_range(scale, zero_point, fmt)
+  s = scale_and_zero_point(lo, hi, fmt)[0].astype(jnp.float32)
+  if z is not None:  # the core's zero point for that range, with a straight-through gradient
+    z = jnp.clip(round_ste(fmt.qmin - jnp.minimum(lo, 0.0) / s, _ROUND), fmt.qmin, fmt.qmax)
+  return s, z
 
 
 def parse_spec(spec: str) -> tuple[str, str, str]:
@@ -134,10 +156,10 @@ class Einsum(nnx.Module):
     self.act_fmt: Optional[QFormat] = None
     self.compute_path = 'auto'
     self.fake_fmt: Optional[QFormat] = None
-    self.qat_scale: Optional[QATScale] = None
-    self.qat_zero_point: Optional[QATScale] = None
+    self.qat_scale: Optional[QATScale] = nnx.data(None)
+    self.qat_zero_point: Optional[QATScale] = nnx.data(None)
     self.fake_act_fmt: Optional[QFormat] = None
-    self.act_clip: Optional[QATScale] = None
+    self.act_clip: Optional[QATScale] = nnx.data(None)
 
   @property
   def contracted_letters(self) -> str:
@@ -175,7 +197,11 @@ class Einsum(nnx.Module):
       a = self.act_clip[...].astype(x.dtype)
       x = jnp.clip(x, -a, a)
     notify_taps(self, x)
-    w = self.w.get_value()
+    return shard_hooks.current().einsum(self, x, self.w.get_value(),
+                                        functools.partial(self.apply, out_dtype=out_dtype))
+
+  def apply(self, x: jax.Array, w, out_dtype=None) -> jax.Array:
+    """The product with a given weight value (a layout may pass a gathered or local shard)."""
     if isinstance(w, QArray):
       return qeinsum(self.spec, x, w, act_fmt=self.act_fmt, path=self.compute_path,
                      out_dtype=out_dtype)

@@ -21,6 +21,7 @@ from flax import nnx
 
 from qjax.nn import axes
 from qjax.nn import kvcache
+from qjax.nn import shard_hooks
 from qjax.nn.attention import Attention, softcap
 from qjax.nn.config import TransformerConfig
 from qjax.nn.layers import Einsum, Embed, RMSNorm
@@ -64,6 +65,7 @@ class Block(nnx.Module):
       self.post_attn_norm = self.post_mlp_norm = None
 
   def __call__(self, x_BTD, positions_BT, cache=None):
+    x_BTD = shard_hooks.current().constrain(x_BTD, 'BTD')
     h_BTD, cache = self.attn(self.pre_attn_norm(x_BTD), positions_BT, cache)
     if self.post_attn_norm is not None:
       h_BTD = self.post_attn_norm(h_BTD)

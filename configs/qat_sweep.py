@@ -1,0 +1,63 @@
+"""QAT and distillation of the small trained model, swept against round-to-nearest PTQ.
+
+Points: precision {8, 4, 3, 2} x group size {per-channel, 128, 32} x method {rtn (PTQ),
+qat (LSQ learned scales, from the RTN point), qat+distill (the same, plus Hinton distillation
+from the float model restored from the checkpoint)}: 36 points, appended to
+<out_dir>/results.jsonl in the PTQ sweeps' row format, with table.md and ppl_vs_bytes.png
+(one line per method). Rerunning skips finished points.
+
+Command (base model first, ~2-4 minutes):
+  XLA_FLAGS= .venv/bin/python experiments/train.py --config=configs/tiny_lm.py \
+      --config.workdir=/tmp/qat_base --config.data.source=/work/shared/data/tinyshakespeare/input.txt
+  XLA_FLAGS= .venv/bin/python experiments/qat.py --config=configs/qat_sweep.py \
+      --config.workdir=/tmp/qat_base --config.out_dir=/tmp/qat_sweep  [--config.qat.steps=200]
+Expected run time: ~10 minutes on a 2-core CPU (24 QAT points of 40 steps; compiles dominate).
+Expected metric (float ppl ~6.8): int8/int4 all within a few % of float; at int3/int2 RTN
+  loses most (int2 per-channel ppl in the tens or hundreds) and QAT / QAT + distillation
+  recover most of that loss (recovered fraction in table.md and summary.json).
+"""
+
+import ml_collections
+
+from configs import quantize as quantize_config
+
+METHODS = ('rtn', 'qat', 'qat+distill')
+
+
+def qat_config() -> ml_collections.ConfigDict:
+  """QAT / distillation training of one point (the base model's data and sequence length)."""
+  q = ml_collections.ConfigDict()
+  q.steps = 40                     # optimizer steps per QAT point
+  q.batch = 16
+  q.lr = 1e-3                      # peak lr of the weights (warm-up + cosine, AdamW)
+  q.warmup = 4
+  q.weight_decay = 0.0
+  q.clip_norm = 1.0
+  q.learn_scales = True            # LSQ step sizes (+ zero points when asymmetric)
+  q.scale_lr = 1e-2                # their own lr (Adam, relative to their size: multi_transform)
+  q.alpha = 0.5                    # distillation: weight of the label cross entropy
+  q.temperature = 2.0              # distillation temperature T
+  q.seed = 1                       # batch stream (the base model trained on seed 0's)
+  q.log_every = 0                  # 0: quiet
+  q.save = True                    # save each converted point with a conversion record
+  return q
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.workdir = '/tmp/qat_base'      # a finished experiments/train.py run (the teacher, too)
+  c.out_dir = 'results/qat_sweep'
+  c.quant = quantize_config.quant_config()
+  c.eval = quantize_config.eval_config()
+  c.qat = qat_config()
+  return c
+
+
+def sweep():
+  """Precision x group size x method (quant.method in METHODS)."""
+  points = []
+  for bits in (8, 4, 3, 2):
+    for group in (0, 128, 32):
+      for method in METHODS:
+        points.append({'quant.bits': bits, 'quant.group_size': group, 'quant.method': method})
+  return points

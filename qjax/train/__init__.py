@@ -1,0 +1,21 @@
+"""Training: data, optimizers, quantization-aware training and distillation.
+
+    from qjax.train import data, optim
+    from qjax.train import prepare_qat, make_qat_optimizer, qat_step, convert
+    from qjax.train import distill_loss, distill_step
+"""
+
+from qjax.train import data, optim
+from qjax.train.distill import (check_distill, check_teacher, distill_loss, distill_step,
+                                student_config)
+from qjax.train.optim import make_optimizer
+from qjax.train.qat import (TRAINABLE, QATScale, activation_format, convert, float_model,
+                            learned_scales, lm_loss, make_qat_optimizer, prepare_qat,
+                            qat_step, range_for)
+
+__all__ = [
+    'QATScale', 'TRAINABLE', 'activation_format', 'check_distill', 'check_teacher', 'convert',
+    'data', 'distill_loss', 'distill_step', 'float_model', 'learned_scales', 'lm_loss',
+    'make_optimizer', 'make_qat_optimizer', 'optim', 'prepare_qat', 'qat_step', 'range_for',
+    'student_config',
+]

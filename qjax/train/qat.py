@@ -1,0 +1,402 @@
+"""Quantization-aware training (QAT) under the same `QuantPolicy` that PTQ uses.
+
+What you train is what you serve: `prepare_qat` fake-quantizes exactly the layers and formats
+`quantize_model` quantizes under the policy (through `apply_fake_quant`), and `convert` hands
+the trained weights and their learned scales (as precomputed ranges) to `quantize_model`.
+With power-of-two scales the fake-quant forward and the converted model (path='dequant')
+give bit-identical logits; otherwise they agree to float rounding.
+
+Scales are either
+
+* *dynamic* (default): recalibrated from the weight at every step by the format's
+  calibration, constants for the gradient; conversion recalibrates the same way; or
+* *learned* (LSQ, Esser et al. 2020): the step size, and the zero point of asymmetric
+  formats, are `QATScale` variables initialised from the core's calibration (or a PTQ
+  result), trained with their own learning rate by `make_qat_optimizer`'s optax partition.
+  LSQ scales its step-size gradient by 1/sqrt(N * Qp) for SGD; under Adam, which
+  normalises gradients, the equivalent is a step relative to the scale's size
+  (`relative_adam`).
+
+Optionally activations are fake-quantized as `qeinsum`'s int8 / fp8 paths quantize them
+(dynamic, per token and weight group), behind a PACT-style learned clip [-a, a]. The
+straight-through and LSQ gradients live in `qjax.core.fake_quant`; nothing here redefines them.
+
+    qat, _ = prepare_qat(model, policy, learn_scales=True)
+    opt = make_qat_optimizer(qat, make_optimizer(1e-3, steps, warmup), scale_lr=1e-3)
+    for batch_BT1 in batches:
+      loss = qat_step(qat, opt, batch_BT1)
+    qmodel, report = convert(qat, policy)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from qjax.core import QArray, QFormat, compute_range, dequantize, scale_and_zero_point
+from qjax.core.calibration import grouped_view_shape
+from qjax.nn import QuantPolicy, QuantReport, apply_fake_quant, einsum_layers, quantize_model
+from qjax.nn.layers import Einsum, QATScale, learned_qparams, learned_range, parse_spec
+
+# Everything QAT trains: the weights and the learned quantization parameters.
+TRAINABLE = nnx.Any(nnx.Param, QATScale)
+
+
+def _positive_axes(fmt: QFormat, ndim: int) -> QFormat:
+  return fmt.replace(channel_axes=tuple(sorted(a % ndim for a in fmt.channel_axes)),
+                     group_axis=fmt.group_axis % ndim)
+
+
+def _dequantized(model: nnx.Module) -> tuple[nnx.Module, dict]:
+  """A float copy of a PTQ result (codes dequantized into Params) and its {path: QArray}."""
+  fm = nnx.clone(model)
+  ptq = {}
+  for path, layer in einsum_layers(fm):
+    w = layer.w.get_value()
+    if isinstance(w, QArray):
+      ptq[path] = w
+      layer.w = nnx.Param(dequantize(w), out_sharding=layer.axes, eager_sharding=False)
+      layer.act_fmt, layer.compute_path = None, 'auto'
+  return fm, ptq
+
+
+def activation_format(layer: Einsum, weight_fmt: QFormat, act: QFormat) -> QFormat:
+  """The input format `qeinsum` applies for `act`: symmetric, per token and weight group."""
+  xs, ws, out = parse_spec(layer.spec)
+  contracted = layer.contracted_letters
+  channel = tuple(i for i, c in enumerate(xs) if c not in contracted)
+  group, axis = None, 0
+  if weight_fmt.group_size is not None and ws[weight_fmt.group_axis % len(ws)] in contracted:
+    group, axis = weight_fmt.group_size, xs.index(ws[weight_fmt.group_axis % len(ws)])
+  return QFormat(bits=8, kind=act.kind, channel_axes=channel, group_size=group,
+                 group_axis=axis)
+
+
+def _init_scale(layer: Einsum, fmt: QFormat, init) -> tuple[jax.Array, Optional[jax.Array]]:
+  """Initial (scale, zero point) of a learned scale, from a QArray, a range or a method."""
+  if isinstance(init, QArray):
+    return init.scale, init.zero_point
+  w = layer.w.get_value()
+  lo, hi = init if isinstance(init, tuple) else compute_range(w, fmt, init)
+  view, reduced = grouped_view_shape(w.shape, fmt)
+  want = tuple(1 if a in reduced else n for a, n in enumerate(view))
+  scale, zp = scale_and_zero_point(jnp.asarray(lo, jnp.float32), jnp.asarray(hi, jnp.float32),
+                                   fmt)
+  if scale.shape != want:
+    raise ValueError(f'prepare_qat: the range given for a {fmt.name} weight of shape '
+                     f'{w.shape} has shape {scale.shape}, expected {want} (the grouped view '
+                     'with 1s on reduced axes, as compute_range returns ranges).')
+  return scale, zp
+
+
+def _raw_for(scale, zp, fmt: QFormat):
+  """Learned parameters whose `learned_qparams` are (scale, zp), where float rounding allows."""
+  target = np.asarray(scale, np.float32)
+  raw, todo = target.copy(), np.ones(target.shape, bool)
+  for k in _ULP_STEPS:
+    cand = _step_ulps(target, k)
+    got = np.asarray(learned_qparams(jnp.asarray(cand), zp, fmt)[0])
+    take = todo & (got == target)
+    raw, todo = np.where(take, cand, raw), todo & ~take
+    if not todo.any():
+      break
+  return jnp.asarray(raw), zp
+
+
+def prepare_qat(model: nnx.Module, policy: QuantPolicy, *,
+                learn_scales: Union[bool, str] = False,
+                ranges: Union[None, str, Mapping[str, tuple]] = None,
+                act: bool = False, pact: Optional[float] = None):
+  """A QAT copy of `model` under `policy` (the model is left untouched).
+
+  Args:
+    model: a float model, or a PTQ result of it under the same policy (`quantize_model`,
+      `qjax.algorithms.apply.apply_method`): its codes are dequantized into the trainable
+      weights, so QAT starts from exactly that model, and its scales initialise learned ones.
+    policy: the QuantPolicy the model will be converted with.
+    learn_scales: False (dynamic scales), True (LSQ scales on every quantized layer), or a
+      regex of layer paths (re.fullmatch) whose scales to learn.
+    ranges: initial ranges of the learned scales: None (each format's calibration, or the
+      PTQ result's scales), a calibration method name ('absmax', 'mse', ...), or
+      {path: (lo, hi)} in the grouped view, as `quantize_model(calibration=...)` takes.
+    act: also fake-quantize the inputs of layers whose rule has an activation format, as
+      `qeinsum` quantizes them (dynamic, symmetric, per token and weight group).
+    pact: initial PACT clip a > 0 of those inputs (learned, kept by the converted model), or
+      None for no clip.
+
+  Returns:
+    (qat_model, QuantReport from `apply_fake_quant`).
+  """
+  base, ptq = _dequantized(model)
+  qat, report = apply_fake_quant(base, policy)
+  layers = dict(einsum_layers(qat))
+  for path, q in ptq.items():
+    fmt = layers[path].fake_fmt
+    if fmt is None or _positive_axes(q.fmt, q.ndim) != _positive_axes(fmt, q.ndim):
+      raise ValueError(f'prepare_qat: layer {path!r} of the PTQ model is {q.fmt.name}, but the '
+                       f'policy makes it {fmt.name if fmt else "float"}; start QAT with the '
+                       'policy the model was quantized with.')
+
+  if learn_scales is True:
+    learn = [p for p, l in layers.items() if l.fake_fmt is not None]
+    if not learn:
+      raise ValueError('prepare_qat: learn_scales=True, but the policy keeps every layer float '
+                       '(no format, no scale to learn); fix the policy or learn_scales=False.')
+  elif learn_scales:
+    learn = [p for p in layers if re.fullmatch(learn_scales, p)]
+    if not learn:
+      raise ValueError(f'prepare_qat: learn_scales={learn_scales!r} matches no layer; paths '
+                       f'look like {list(layers)[:3]} (re.fullmatch).')
+  else:
+    learn = []
+    if ranges is not None:
+      raise ValueError('prepare_qat: ranges initialise learned scales, but learn_scales=False '
+                       '(dynamic scales are recalibrated from the weights at every step); '
+                       'pass learn_scales=True, or drop ranges.')
+  if isinstance(ranges, Mapping):
+    extra = set(ranges) - set(learn)
+    if extra:
+      raise ValueError(f'prepare_qat: ranges name layers {sorted(extra)} whose scales are not '
+                       f'learned; learned layers are {learn}.')
+  for path in learn:
+    layer = layers[path]
+    fmt = layer.fake_fmt
+    if fmt is None:
+      reason = report[path].reason
+      raise ValueError(f'prepare_qat: layer {path!r} stays float under the policy ({reason}), '
+                       'so it has no scale to learn; narrow learn_scales to quantized layers.')
+    if path in ptq and (ranges is None or isinstance(ranges, Mapping) and path not in ranges):
+      init = ptq[path]
+    elif isinstance(ranges, Mapping):
+      init = ranges.get(path)
+    else:
+      init = ranges
+    scale, zp = _raw_for(*_init_scale(layer, fmt, init), fmt)
+    layer.qat_scale = nnx.data(QATScale(scale.astype(jnp.float32)))
+    if zp is not None:
+      layer.qat_zero_point = nnx.data(QATScale(zp.astype(jnp.float32)))
+
+  if act or pact is not None:
+    acted = []
+    for path, layer in layers.items():
+      rule = policy.match(path)[1]
+      if layer.fake_fmt is not None and rule is not None and rule.act is not None:
+        layer.fake_act_fmt = activation_format(layer, layer.fake_fmt, rule.act)
+        acted.append(path)
+    if not acted:
+      raise ValueError('prepare_qat: act=True / pact given, but no rule of the policy has an '
+                       'activation format (QuantRule(act=...)); weight-only QAT needs neither.')
+    if pact is not None:
+      if not act:
+        raise ValueError('prepare_qat: pact clips quantized activations; pass act=True too.')
+      if not pact > 0:
+        raise ValueError(f'prepare_qat: pact={pact!r}; the clip a of [-a, a] must be > 0 '
+                         '(e.g. a few times the inputs\' rms).')
+      for path in acted:
+        layers[path].act_clip = nnx.data(QATScale(jnp.asarray(pact, jnp.float32)))
+  return qat, report
+
+
+def learned_scales(model: nnx.Module) -> dict[str, tuple[jax.Array, Optional[jax.Array]]]:
+  """{path: (scale, zero point)} of every learned scale, exactly as the forward uses them."""
+  out = {}
+  for path, layer in einsum_layers(model):
+    if layer.qat_scale is not None:
+      zp = None if layer.qat_zero_point is None else layer.qat_zero_point[...]
+      out[path] = learned_qparams(layer.qat_scale[...], zp, layer.fake_fmt)
+  return out
+
+
+def learned_ranges(model: nnx.Module) -> dict[str, tuple[jax.Array, jax.Array]]:
+  """{path: (lo, hi)} from which `quantize` recomputes exactly the learned scales.
+
+  Non-power-of-two scales: the `learned_range` the forward itself mapped through
+  `scale_and_zero_point`; powers of two: `range_for`. Either way checked here.
+  """
+  out = {}
+  for path, layer in einsum_layers(model):
+    if layer.qat_scale is None:
+      continue
+    fmt = layer.fake_fmt
+    zp = None if layer.qat_zero_point is None else layer.qat_zero_point[...]
+    s, z = learned_qparams(layer.qat_scale[...], zp, fmt)
+    if fmt.pow2_scale:
+      out[path] = range_for(s, z, fmt)
+      continue
+    lo, hi = learned_range(layer.qat_scale[...], zp, fmt)
+    got_s, got_z = scale_and_zero_point(lo, hi, fmt)
+    if not (np.array_equal(np.asarray(got_s, np.float32), np.asarray(s))
+            and (z is None or np.array_equal(np.asarray(got_z, np.float32), np.asarray(z)))):
+      raise RuntimeError(f'learned_ranges: layer {path!r}: quantize would not reproduce the '
+                         'learned scales from their range; this is a bug, please report it.')
+    out[path] = (lo, hi)
+  return out
+
+
+# Ulp steps tried (in order) when inverting a scale to a range: `amax * (1/qmax)` may land an
+# ulp off, and a power-of-two scale must not round up to the next power.
+_ULP_STEPS = (0,) + tuple(k * sign for k in range(1, 33) for sign in (-1, 1))
+
+
+def _step_ulps(x: np.ndarray, k: int) -> np.ndarray:
+  for _ in range(abs(k)):
+    x = np.nextafter(x, np.float32(np.inf if k > 0 else -np.inf)).astype(np.float32)
+  return x
+
+
+def range_for(scale, zero_point, fmt: QFormat) -> tuple[jax.Array, jax.Array]:
+  """A (lo, hi) that `scale_and_zero_point` maps back to exactly (scale, zero_point).
+
+  Args:
+    scale: positive scales in the grouped view, representable in `fmt.scale_dtype` (and
+      powers of two for `pow2_scale` formats), e.g. from `learned_qparams`.
+    zero_point: integer zero points in [qmin, qmax] (asymmetric formats), or None.
+    fmt: the format.
+
+  Returns:
+    (lo, hi) float32 arrays of the scale's shape.
+  """
+  s = np.asarray(scale, np.float32)
+  z = None if fmt.symmetric else np.asarray(zero_point, np.float32)
+  if fmt.symmetric:
+    lo0, hi0 = -s * np.float32(fmt.qmax), s * np.float32(fmt.qmax)
+  else:
+    lo0, hi0 = (np.float32(fmt.qmin) - z) * s, (np.float32(fmt.qmax) - z) * s
+  # Move the end that sets the span (the larger in magnitude), an ulp at a time.
+  move_hi = hi0 >= -lo0
+  lo, hi = lo0.copy(), hi0.copy()
+  todo = np.ones(s.shape, bool)
+  for k in _ULP_STEPS:
+    if fmt.symmetric:
+      c_hi = _step_ulps(hi0, k)
+      c_lo = -c_hi
+    else:
+      c_hi = np.where(move_hi, _step_ulps(hi0, k), hi0)
+      c_lo = np.where(move_hi, lo0, _step_ulps(lo0, -k))
+    got_s, got_z = scale_and_zero_point(jnp.asarray(c_lo), jnp.asarray(c_hi), fmt)
+    ok = np.asarray(got_s, np.float32) == s
+    if z is not None:
+      ok &= np.asarray(got_z, np.float32) == z
+    take = todo & ok
+    lo, hi = np.where(take, c_lo, lo), np.where(take, c_hi, hi)
+    todo &= ~ok
+    if not todo.any():
+      return jnp.asarray(lo), jnp.asarray(hi)
+  raise ValueError(f'range_for: {int(todo.sum())} {fmt.name} scale(s) have no range that '
+                   f'reproduces them (e.g. {s[todo][:3]}); scales must be positive, finite and '
+                   f'representable in {fmt.scale_dtype} (pass them through learned_qparams).')
+
+
+def float_model(model: nnx.Module) -> nnx.Module:
+  """A copy of a QAT model without its QAT state (fake formats, learned scales).
+
+  PACT clips stay: they are part of what the converted model computes.
+  """
+  fm = nnx.clone(model)
+  for _, layer in einsum_layers(fm):
+    layer.fake_fmt = layer.fake_act_fmt = None
+    layer.qat_scale = layer.qat_zero_point = None
+  return fm
+
+
+def convert(model: nnx.Module, policy: QuantPolicy, **overrides) -> tuple[nnx.Module, QuantReport]:
+  """The real quantized model of a trained QAT model: `quantize_model` with its scales.
+
+  Learned scales are passed as precomputed ranges (`learned_ranges`), so the stored scales and
+  zero points are exactly the ones the forward trained with; dynamic ones are recalibrated
+  from the trained weights exactly as the forward did.
+
+  Args:
+    model: a model from `prepare_qat` (trained or not).
+    policy: the policy it was prepared with (checked layer by layer).
+    **overrides: QuantPolicy fields to change for serving only, e.g. path='dequant'.
+
+  Returns:
+    (qmodel, QuantReport) as `quantize_model` returns them.
+  """
+  layers = dict(einsum_layers(model))
+  ranges = learned_ranges(model)
+  if overrides:
+    policy = QuantPolicy(policy.rules, **{'strict': policy.strict, 'path': policy.path,
+                                          **overrides})
+  qmodel, report = quantize_model(float_model(model), policy, calibration=ranges or None)
+  for l in report.layers:
+    fmt = layers[l.path].fake_fmt
+    trained = fmt.name if fmt is not None else 'float'
+    if trained != l.weight:
+      raise ValueError(f'convert: layer {l.path!r} trained as {trained} but the policy makes it '
+                       f'{l.weight}; convert with the policy given to prepare_qat.')
+  return qmodel, report
+
+
+def relative_adam(lr: float) -> optax.GradientTransformation:
+  """Adam whose steps are relative to each variable's RMS: ~`lr` of it per step.
+
+  Adam's step is ~lr whatever the parameter's size; int8 step sizes (~1e-3) and int2 ones
+  (~1e-1) need steps in proportion, as LSQ's gradient scale gives plain SGD.
+  """
+  return optax.chain(optax.scale_by_adam(), optax.scale_by_param_block_rms(min_scale=1e-12),
+                     optax.scale(-lr))
+
+
+def make_qat_optimizer(model: nnx.Module, tx: optax.GradientTransformation, *,
+                       scale_lr: Optional[float] = None,
+                       scale_tx: Optional[optax.GradientTransformation] = None) -> nnx.Optimizer:
+  """An optimizer over the weights (`tx`) and learned scales (their own transformation).
+
+  Variables are partitioned by type with `optax.multi_transform`: `nnx.Param` -> `tx`,
+  `QATScale` -> `scale_tx` or `relative_adam(scale_lr)` (no weight decay, no shared
+  clipping).
+
+  Args:
+    model: a model from `prepare_qat` (or any model, without scale arguments).
+    tx: the weights' transformation (e.g. `qjax.train.optim.make_optimizer(...)`).
+    scale_lr: learning rate of the learned scales / zero points / PACT clips.
+    scale_tx: their transformation instead of `relative_adam(scale_lr)`.
+
+  Returns:
+    nnx.Optimizer(model, ..., wrt=TRAINABLE) (wrt=nnx.Param when nothing is learned).
+  """
+  state = nnx.state(model, TRAINABLE)
+  n_learned = len(jax.tree.leaves(nnx.state(model, QATScale)))
+  given = scale_lr is not None or scale_tx is not None
+  if given and not n_learned:
+    raise ValueError(f'make_qat_optimizer: scale_lr={scale_lr!r} given, but the model has no '
+                     'learned scales: its layers are float/exempt under the policy, or it was '
+                     'prepared with learn_scales=False (dynamic scales are recalibrated, not '
+                     'trained). Drop scale_lr, or prepare_qat(..., learn_scales=True).')
+  if not n_learned:
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+  if not given:
+    raise ValueError(f'make_qat_optimizer: the model has {n_learned} learned quantization '
+                     'parameters (QATScale); give them a learning rate, scale_lr=... (or '
+                     'scale_tx=...).')
+  if scale_tx is None:
+    if not scale_lr > 0:
+      raise ValueError(f'make_qat_optimizer: scale_lr={scale_lr!r} must be > 0 (e.g. 1e-2).')
+    scale_tx = relative_adam(scale_lr)
+  labels = jax.tree.map(lambda v: 'scales' if isinstance(v, QATScale) else 'weights', state,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+  return nnx.Optimizer(model, optax.multi_transform({'weights': tx, 'scales': scale_tx},
+                                                    labels), wrt=TRAINABLE)
+
+
+def lm_loss(model: nnx.Module, batch_BT1: jax.Array) -> jax.Array:
+  """Next-token cross entropy of a [B, T + 1] batch."""
+  logits_BTV = model(batch_BT1[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch_BT1[:, 1:]).mean()
+
+
+@nnx.jit
+def qat_step(model: nnx.Module, optimizer: nnx.Optimizer, batch_BT1: jax.Array) -> jax.Array:
+  """One step of `lm_loss` on the weights and learned scales; returns the loss."""
+  loss, grads = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, TRAINABLE))(
+      model, batch_BT1)
+  optimizer.update(model, grads)
+  return loss
