@@ -64,7 +64,8 @@ class LLMInt8Einsum(Einsum):
       if not k.startswith('_'):
         setattr(self, k, v)
     self.threshold = float(threshold)
-    self.w_outlier = None if w_float is None else nnx.Param(w_float)
+    self.w_outlier = None if w_float is None else nnx.Param(
+        w_float, out_sharding=self.axes, eager_sharding=False)  # the float weight's axes
 
   def apply(self, x: jax.Array, w, out_dtype=None) -> jax.Array:
     return self.forward(x, w, out_dtype)[0]
