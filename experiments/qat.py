@@ -158,7 +158,11 @@ def _record(ref, q, qc, report, policy, base_hash, row) -> dict:
 
 
 def recovered(rows: list[dict], float_ppl: float) -> list[dict]:
-  """Rows with `recovered`: (ppl_rtn - ppl) / (ppl_rtn - ppl_float) against the RTN point."""
+  """Rows with `recovered`: (ppl_rtn - ppl) / (ppl_rtn - ppl_float) against the RTN point.
+
+  Left empty where RTN lost under 1% of the float perplexity: the ratio of two tiny
+  differences says nothing.
+  """
   rtn = {r['weight_format']: r['ppl'] for r in rows
          if r.get('method') == 'rtn' and r.get('status') == 'ok'}
   out = []
@@ -168,7 +172,7 @@ def recovered(rows: list[dict], float_ppl: float) -> list[dict]:
     if r.get('method') in QAT_METHODS and 'ppl' in r and base is not None:
       lost = base - float_ppl
       r['rtn_ppl'] = base
-      r['recovered'] = (base - r['ppl']) / lost if lost > 0 else None
+      r['recovered'] = (base - r['ppl']) / lost if lost > 0.01 * float_ppl else None
     out.append(r)
   return out
 
