@@ -67,15 +67,18 @@ def _dequantized(model: nnx.Module) -> tuple[nnx.Module, dict]:
 
 
 def activation_format(layer: Einsum, weight_fmt: QFormat, act: QFormat) -> QFormat:
-  """The input format `qeinsum` applies for `act`: symmetric, per token and weight group."""
-  xs, ws, out = parse_spec(layer.spec)
+  """The input format `qeinsum` applies for `act`: symmetric, dynamic, one scale per token
+  and per block of `group_size` consecutive elements of the weight's group axis (per token
+  over all contracted elements when the weight is not grouped)."""
+  xs, ws, _ = parse_spec(layer.spec)
   contracted = layer.contracted_letters
-  channel = tuple(i for i, c in enumerate(xs) if c not in contracted)
-  group, axis = None, 0
-  if weight_fmt.group_size is not None and ws[weight_fmt.group_axis % len(ws)] in contracted:
-    group, axis = weight_fmt.group_size, xs.index(ws[weight_fmt.group_axis % len(ws)])
-  return QFormat(bits=8, kind=act.kind, channel_axes=channel, group_size=group,
-                 group_axis=axis)
+  gl = ws[weight_fmt.group_axis % len(ws)]
+  if weight_fmt.group_size is None or gl not in contracted:
+    channel = tuple(i for i, c in enumerate(xs) if c not in contracted)
+    return QFormat(bits=8, kind=act.kind, channel_axes=channel)
+  channel = tuple(i for i, c in enumerate(xs) if c != gl)
+  return QFormat(bits=8, kind=act.kind, channel_axes=channel, group_size=weight_fmt.group_size,
+                 group_axis=xs.index(gl))
 
 
 def _init_scale(layer: Einsum, fmt: QFormat, init) -> tuple[jax.Array, Optional[jax.Array]]:
@@ -126,7 +129,7 @@ def prepare_qat(model: nnx.Module, policy: QuantPolicy, *,
       PTQ result's scales), a calibration method name ('absmax', 'mse', ...), or
       {path: (lo, hi)} in the grouped view, as `quantize_model(calibration=...)` takes.
     act: also fake-quantize the inputs of layers whose rule has an activation format, as
-      `qeinsum` quantizes them (dynamic, symmetric, per token and weight group).
+      `qeinsum` quantizes them (`activation_format`).
     pact: initial PACT clip a > 0 of those inputs (learned, kept by the converted model), or
       None for no clip.
 
