@@ -10,12 +10,12 @@ from qjax.train.distill import (check_distill, check_teacher, distill_loss, dist
                                 student_config)
 from qjax.train.optim import make_optimizer
 from qjax.train.qat import (TRAINABLE, QATScale, activation_format, convert, float_model,
-                            learned_scales, lm_loss, make_qat_optimizer, prepare_qat,
-                            qat_step, range_for)
+                            learned_ranges, learned_scales, lm_loss, make_qat_optimizer,
+                            prepare_qat, qat_step, range_for, relative_adam)
 
 __all__ = [
     'QATScale', 'TRAINABLE', 'activation_format', 'check_distill', 'check_teacher', 'convert',
-    'data', 'distill_loss', 'distill_step', 'float_model', 'learned_scales', 'lm_loss',
-    'make_optimizer', 'make_qat_optimizer', 'optim', 'prepare_qat', 'qat_step', 'range_for',
-    'student_config',
+    'data', 'distill_loss', 'distill_step', 'float_model', 'learned_ranges', 'learned_scales',
+    'lm_loss', 'make_optimizer', 'make_qat_optimizer', 'optim', 'prepare_qat', 'qat_step',
+    'range_for', 'relative_adam', 'student_config',
 ]
