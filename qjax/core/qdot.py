@@ -338,6 +338,8 @@ def _tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
       return [rows]
   s_f, z_f = _fields(scale, per, nf, kept_shape), _fields(zp, per, nf, kept_shape)
   nf_total = lead * nf
+  if act_kind is not None and group and kq == 1:
+    return None  # one group spans all of K: the whole-operand path handles it exactly
   fold = kq > 1  # scales vary along K: apply them to the tile before the dot
 
   def contrib(start, rows):

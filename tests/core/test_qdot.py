@@ -176,3 +176,14 @@ def test_default_cpu_paths_make_no_float_copy():
       temp = jax.jit(lambda x, q: qdot(x, q, act_fmt=act)).lower(x, q).compile() \
           .memory_analysis().temp_size_in_bytes
       assert temp < f32_copy / 2, (fmt.name, m, temp)
+
+
+def test_w8a8_with_one_group_spanning_the_contraction():
+  # group size == the whole contracted axis (e.g. o_proj g32 with H=32): one group, so the
+  # scales are constant along K; this used to crash the tiled int8 path.
+  w = jax.random.normal(K[2], (4, 32, 48))
+  x = jax.random.normal(K[3], (2, 3, 4, 32))
+  q = quantize(w, int_format(4, group_size=32, group_axis=1, channel_axes=(2,)))
+  y = qeinsum('BTNH,NHD->BTD', x, q, act_fmt=int_format(8))
+  ref = jnp.einsum('BTNH,NHD->BTD', x, q.dequantize())
+  assert float(qjax.sqnr_db(ref, y)) > 35.0
