@@ -58,7 +58,7 @@ def run_ptq_sweep(config, points: list[dict], model=None, data=None, log=print) 
   """Quantize + evaluate every point; write results.jsonl, table.md and the plot."""
   if model is None:
     model, _, data = train_lib.load_trained(config.workdir)
-  ref = qeval_ref = qexp.FloatReference(model, data, config.eval)
+  ref = qexp.FloatReference(model, data, config.eval)
   base_hash = qexp.base_checkpoint_hash(config.workdir)
   named = []
   for ov in points:
@@ -72,7 +72,7 @@ def run_ptq_sweep(config, points: list[dict], model=None, data=None, log=print) 
   results_path = os.path.join(config.out_dir, 'results.jsonl')
   rows = qeval.run_sweep(named, run_point, results_path, log=log)
   float_row = {'name': 'float', 'method': 'float', 'weight_format': 'f32',
-               'ppl': qeval_ref.ppl['ppl'], 'weight_bytes': ref.bytes, 'bytes_ratio': 1.0,
+               'ppl': ref.ppl['ppl'], 'weight_bytes': ref.bytes, 'bytes_ratio': 1.0,
                'greedy_agreement': 1.0, 'status': 'ok'}
   table = qeval.markdown_table([float_row] + rows)
   with open(os.path.join(config.out_dir, 'table.md'), 'w') as f:

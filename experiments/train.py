@@ -146,7 +146,6 @@ def load_trained(workdir: str):
   if step is None:
     raise ValueError(f'{workdir!r} has no checkpoint; the training run did not save one.')
   abstract = nnx.eval_shape(lambda: build(config, mcfg))
-  graphdef, state = nnx.split(abstract)
   restored = mngr.restore(step, args=ocp.args.StandardRestore(
       {'model': nnx.state(abstract[0]), 'opt': nnx.state(abstract[1])}))
   model = abstract[0]

@@ -87,7 +87,8 @@ def choose_path(w_fmt: QFormat, act_fmt: Optional[QFormat] = None,
   return 'dequant'
 
 
-def _parse(spec: str):
+def parse_spec(spec: str) -> tuple[str, str, str]:
+  """'BTD,DNH->BTNH' -> ('BTD', 'DNH', 'BTNH'): two operands, explicit output, no ellipsis."""
   try:
     ins, out = spec.replace(' ', '').split('->')
     xs, ws = ins.split(',')
@@ -138,7 +139,7 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
     return jnp.einsum(spec, x, w.astype(x.dtype)).astype(out_dtype)
   if path not in PATHS:
     raise ValueError(f'qeinsum: path={path!r} is unknown; use one of {PATHS}.')
-  xs, ws, out = _parse(spec)
+  xs, ws, out = parse_spec(spec)
   if len(ws) != w.ndim or len(xs) != x.ndim:
     raise ValueError(f'qeinsum: spec {spec!r} has operands of rank {len(xs)} and {len(ws)} but '
                      f'got x{tuple(x.shape)} and w{w.shape}.')

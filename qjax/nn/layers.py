@@ -29,6 +29,7 @@ from flax import nnx
 
 from qjax.core import (QArray, QFormat, dequantize, fake_quant, qeinsum, round_ste,
                        scale_and_zero_point)
+from qjax.core.qdot import parse_spec as _core_parse_spec
 from qjax.nn import shard_hooks
 
 
@@ -113,15 +114,8 @@ def learned_qparams(scale, zero_point, fmt: QFormat):
   return s, z
 
 
-def parse_spec(spec: str) -> tuple[str, str, str]:
-  """'BTD,DNH->BTNH' -> ('BTD', 'DNH', 'BTNH'), with a clear error for other shapes."""
-  try:
-    ins, out = spec.replace(' ', '').split('->')
-    xs, ws = ins.split(',')
-  except ValueError:
-    raise ValueError(f"Einsum: spec {spec!r} must look like 'BTD,DF->BTF' (activations, "
-                     'weight, explicit output).') from None
-  return xs, ws, out
+# One einsum-spec parser for the whole project: the core's (re-exported for nn users).
+parse_spec = _core_parse_spec
 
 
 class Einsum(nnx.Module):
