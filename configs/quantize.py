@@ -1,9 +1,10 @@
-"""Round-to-nearest PTQ of a trained run, evaluated against the float model.
+"""PTQ of a trained run (RTN, GPTQ, AWQ, SmoothQuant, LLM.int8()), evaluated against float.
 
 Command:
   .venv/bin/python experiments/quantize.py --config=configs/quantize.py \
       --config.workdir=results/tiny_lm --config.quant.bits=4 --config.quant.group_size=128
-Expected run time: ~20 s on a 2-core CPU for the tiny_lm model.
+  ... --config.quant.method=gptq --config.calib.num_sequences=64   (calibrated methods)
+Expected run time: ~20 s on a 2-core CPU for the tiny_lm model (RTN; GPTQ/AWQ ~1 min).
 Expected metric: int8 per-channel: val ppl within 0.5% of float, greedy agreement ~1.0;
   int4 g128: ppl within a few %; weight bytes of quantized layers ~0.53x (int4) of float/4...
   see results/.../result.json and conversion_record.json.
@@ -15,7 +16,8 @@ import ml_collections
 def quant_config() -> ml_collections.ConfigDict:
   """One PTQ point: the policy `experiments/quantize.py` builds (sweeps override these)."""
   q = ml_collections.ConfigDict()
-  q.method = 'rtn'                 # round-to-nearest; no calibration data
+  q.method = 'rtn'                 # 'rtn' (no calibration data), 'gptq', 'awq',
+                                   # 'smoothquant' (needs act='int8'), 'llm_int8' (int8 weights)
   q.kind = 'int'                   # 'int', 'e4m3' or 'e5m2'
   q.bits = 8
   q.group_size = 0                 # 0: no groups (per-channel / per-tensor)
@@ -28,6 +30,34 @@ def quant_config() -> ml_collections.ConfigDict:
   q.exempt = 'embed|lm_head'       # regex of module paths kept in float
   q.path = 'auto'                  # qeinsum compute path (see qjax/core/qdot.py)
   return q
+
+
+def calib_config() -> ml_collections.ConfigDict:
+  """The calibration set of GPTQ / AWQ / SmoothQuant / LLM.int8() (RTN reads none).
+
+  Its token ids are hashed into the conversion record with this description.
+  """
+  c = ml_collections.ConfigDict()
+  c.source = ''                    # '': the run's training split; else a text file, tokenized
+                                   # with the run's tokenizer
+  c.num_sequences = 32             # random windows ...
+  c.seq_len = 128                  # ... of this many tokens
+  c.seed = 0
+  c.batch_size = 8                 # sequences per calibration forward pass
+  c.sequential = True              # block l calibrated on quantized blocks 0..l-1 (GPTQ)
+  return c
+
+
+def method_options() -> ml_collections.ConfigDict:
+  """Per-method options of `qjax.algorithms.apply_method` (their documented defaults)."""
+  o = ml_collections.ConfigDict()
+  o.rtn = ml_collections.ConfigDict()
+  o.gptq = ml_collections.ConfigDict({'damp': 0.01, 'block_size': 128, 'act_order': False})
+  o.awq = ml_collections.ConfigDict({'alpha_grid': 20, 'clip_search': True, 'clip_grid': 20,
+                                     'max_shrink': 0.5, 'fold_linear': True})
+  o.smoothquant = ml_collections.ConfigDict({'alpha': 0.5, 'fold_linear': True})
+  o.llm_int8 = ml_collections.ConfigDict({'threshold': 6.0, 'outlier_weights': 'float'})
+  return o
 
 
 def eval_config() -> ml_collections.ConfigDict:
@@ -46,5 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.workdir = 'results/tiny_lm'    # a finished experiments/train.py run
   c.out_dir = ''                   # default: <workdir>/quantized/<format name>
   c.quant = quant_config()
+  c.calib = calib_config()
+  c.options = method_options()
   c.eval = eval_config()
   return c

@@ -54,20 +54,36 @@ def apply_overrides(config, overrides: dict):
   return c
 
 
-def run_ptq_sweep(config, points: list[dict], model=None, data=None, log=print) -> list[dict]:
-  """Quantize + evaluate every point; write results.jsonl, table.md and the plot."""
-  if model is None:
-    model, _, data = train_lib.load_trained(config.workdir)
-  ref = qexp.FloatReference(model, data, config.eval)
-  base_hash = qexp.base_checkpoint_hash(config.workdir)
-  named = []
-  for ov in points:
-    named.append((qexp.point_name(apply_overrides(config, ov).quant), ov))
+def sweep_point_name(config, overrides: dict) -> str:
+  """The point's quant name, plus any override outside `quant.` (e.g. '+gptq.act_order=True')."""
+  extra = ''.join(f'+{k.removeprefix("options.")}={v}' for k, v in overrides.items()
+                  if not k.startswith('quant.'))
+  return qexp.point_name(apply_overrides(config, overrides).quant) + extra
+
+
+def run_ptq_sweep(config, points: list[dict], model=None, data=None, log=print, ref=None,
+                  base_hash=None, base_source='experiments/train.py',
+                  title='PTQ sweep') -> list[dict]:
+  """Quantize + evaluate every point; write results.jsonl, table.md and the plot.
+
+  The base is `config.workdir`'s trained run unless `ref` (a FloatReference of another
+  model, e.g. an imported checkpoint) and its `base_hash` are given. Points may set
+  `quant.method` to a calibrated method; the config's `calib` and `options` sections then
+  apply (configs/quantize.py).
+  """
+  if ref is None:
+    if model is None:
+      model, _, data = train_lib.load_trained(config.workdir)
+    ref = qexp.FloatReference(model, data, config.eval)
+    base_hash = qexp.base_checkpoint_hash(config.workdir)
+  named = [(sweep_point_name(config, ov), ov) for ov in points]
 
   def run_point(name, ov):
     c = apply_overrides(config, ov)
-    return qexp.quantize_and_evaluate(ref, c.quant, os.path.join(config.out_dir, 'points',
-                                                                 name), base_hash)
+    return qexp.quantize_and_evaluate(
+        ref, c.quant, os.path.join(config.out_dir, 'points', name), base_hash,
+        calib=c.get('calib'), options=c.get('options'),
+        warm_repeat=bool(c.get('warm_repeat', False)), base_source=base_source)
 
   results_path = os.path.join(config.out_dir, 'results.jsonl')
   rows = qeval.run_sweep(named, run_point, results_path, log=log)
@@ -78,7 +94,7 @@ def run_ptq_sweep(config, points: list[dict], model=None, data=None, log=print) 
   with open(os.path.join(config.out_dir, 'table.md'), 'w') as f:
     f.write(table + '\n')
   qeval.plot_ppl_vs_bytes(rows, os.path.join(config.out_dir, 'ppl_vs_bytes.png'),
-                          title=f'PTQ sweep ({len(rows)} points)', baseline=float_row)
+                          title=f'{title} ({len(rows)} points)', baseline=float_row)
   return [float_row] + rows
 
 

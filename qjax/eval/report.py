@@ -7,8 +7,10 @@ from typing import Sequence
 
 COLUMNS = (('name', 'point'), ('method', 'method'), ('weight_format', 'format'),
            ('ppl', 'val ppl'), ('ppl_delta', 'Δ ppl'), ('max_abs_logit_diff', 'max |Δlogit|'),
-           ('mean_abs_logit_diff', 'mean |Δlogit|'), ('greedy_agreement', 'greedy agree'),
+           ('mean_abs_logit_diff', 'mean |Δlogit|'), ('kl', 'KL'),
+           ('greedy_agreement', 'greedy agree'), ('int8_fraction', 'int8 frac'),
            ('weight_bytes', 'weight bytes'), ('bytes_ratio', 'bytes/float'),
+           ('quantize_seconds', 'quant s'), ('warm_seconds', 'quant s (warm)'),
            ('seconds', 'time s'), ('status', 'status'))
 
 
@@ -21,7 +23,8 @@ def _fmt(v):
 def markdown_table(rows: Sequence[dict], columns=COLUMNS) -> str:
   """A Markdown table of result rows; columns missing from every row are left out."""
   cols = [(k, h) for k, h in columns if any(k in r for r in rows)]
-  lines = ['| ' + ' | '.join(h for _, h in cols) + ' |',
+  # A pipe inside a cell would split the column: escape it.
+  lines = ['| ' + ' | '.join(h.replace('|', r'\|') for _, h in cols) + ' |',
            '|' + '|'.join('---' for _ in cols) + '|']
   for r in rows:
     lines.append('| ' + ' | '.join(_fmt(r.get(k)) for k, _ in cols) + ' |')

@@ -95,6 +95,17 @@ def batch_at(ids: np.ndarray, step: int, batch: int, seq_len: int, seed: int) ->
   return np.stack([ids[s:s + seq_len + 1] for s in starts]).astype(np.int32)
 
 
+def random_windows(ids: np.ndarray, n: int, seq_len: int, seed: int) -> np.ndarray:
+  """`n` windows of `seq_len` tokens at random starts (a calibration set), int32 [n, seq_len]."""
+  if n < 1 or seq_len < 1:
+    raise ValueError(f'random_windows: n={n} and seq_len={seq_len} must both be >= 1.')
+  if ids.size < seq_len + 1:
+    raise ValueError(f'random_windows: {ids.size} tokens cannot hold a window of seq_len='
+                     f'{seq_len}; use a shorter seq_len or a longer text.')
+  starts = np.random.default_rng(seed).integers(0, ids.size - seq_len, size=n)
+  return np.stack([ids[s:s + seq_len] for s in starts]).astype(np.int32)
+
+
 def eval_windows(ids: np.ndarray, seq_len: int, max_windows: int | None = None
                  ) -> np.ndarray:
   """Non-overlapping [n, seq_len + 1] windows covering `ids` from the start (for perplexity)."""

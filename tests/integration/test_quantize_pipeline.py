@@ -14,7 +14,7 @@ from experiments import quantize as qexp
 from experiments import train as train_lib
 from qjax import checkpoints as qckpt
 from qjax import eval as qeval
-from qjax.nn import Transformer
+from qjax.nn import Transformer, quantize_model
 
 
 @pytest.fixture(scope='module')
@@ -51,7 +51,7 @@ def test_ptq_point_record_and_bit_identical_reload(ref, trained_tiny, tmp_path):
   assert all(len(h) == 64 for h in record['artifacts'].values()) and record['artifacts']
   loaded, _ = qckpt.load_quantized(out)
   np.testing.assert_array_equal(qeval.logits(loaded, ref.ref_tokens),
-                                qeval.logits(qexp.quantize_model(ref.model, qexp.make_policy(
+                                qeval.logits(quantize_model(ref.model, qexp.make_policy(
                                     _quant(bits=4, group_size=32)))[0], ref.ref_tokens))
 
 
