@@ -11,11 +11,13 @@ __all__ = [
     "Attention", "Block", "Einsum", "Embed", "KVCache", "LayerReport", "MLP", "QWeight",
     "QuantPolicy", "QuantReport", "QuantRule", "RMSNorm", "Transformer", "TransformerConfig",
     "apply_fake_quant", "apply_rope", "attend", "attention_mask", "einsum_layers",
-    "greedy_generate", "greedy_step", "init_cache", "model_report", "num_params",
-    "param_count", "quantize_model", "resolve_format", "weight_bytes",
+    "greedy_generate", "greedy_step", "init_cache", "kv_format", "model_report", "num_params",
+    "param_count", "quantize_model", "resolve_format", "set_kv_format", "weight_bytes",
+    "with_kv_format",
 ]
 
-from qjax.nn.attention import Attention, attend, attention_mask
+from qjax.nn.attention import (Attention, attend, attention_mask, kv_format, set_kv_format,
+                               with_kv_format)
 from qjax.nn.config import TransformerConfig, num_params
 from qjax.nn.generate import greedy_generate, greedy_step
 from qjax.nn.kvcache import KVCache, init_cache

@@ -2,16 +2,23 @@
 
 Query heads are grouped by the kv head they share, N = K * G, so MHA (G = 1), GQA and MQA
 (K = 1) are one einsum, 'BTKGH,BSKH->BKGTS', with no repeated keys in memory.
+
+A model may carry a KV format (`Attention.kv_fmt`, None by default; QAT sets it with
+`prepare_qat(..., kv=...)`): its keys and values then pass through that format in every
+forward, fake-quantized (straight-through) without a cache and quantized by a cache of that
+format, so the full forward (training, perplexity) computes what cached serving computes.
+`kv_format(model)` reads it, `with_kv_format(model, fmt)` sets it on a copy.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qjax.core import QFormat
 from qjax.nn import axes
 from qjax.nn import kvcache
 from qjax.nn import shard_hooks
@@ -103,6 +110,8 @@ class Attention(nnx.Module):
     self.rope_base = cfg.rope_base_for(layer)
     self.scale_q = cfg.scale_q
     self.logit_softcap = cfg.attn_logit_softcap
+    # The KV cache format K/V pass through in every forward (module docstring), or None.
+    self.kv_fmt: Optional[QFormat] = None
 
   def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array,
                cache: Optional[kvcache.KVCache] = None):
@@ -134,6 +143,7 @@ class Attention(nnx.Module):
 
   def core(self, q_BTNH, k_BTKH, v_BTKH, positions_BT, cache):
     """Write the new keys/values to the cache, read it back, attend: (out_BTNH, cache)."""
+    k_BTKH, v_BTKH = kvcache.through_format(self.kv_fmt, k_BTKH, v_BTKH, cache)
     if cache is None:
       k_BSKH, v_BSKH, k_pos_BS = k_BTKH, v_BTKH, positions_BT
     else:
@@ -143,3 +153,44 @@ class Attention(nnx.Module):
                       positions_BT, k_pos_BS, window=self.window,
                       logit_softcap=self.logit_softcap)
     return out_BTNH, cache
+
+
+def _attention_layers(model: nnx.Module) -> list[Attention]:
+  return [m for _, m in nnx.iter_modules(model) if isinstance(m, Attention)]
+
+
+def kv_format(model: nnx.Module) -> Optional[QFormat]:
+  """The KV format every attention layer of `model` stores K/V in, or None (float)."""
+  fmts = {m.kv_fmt for m in _attention_layers(model)}
+  if len(fmts) > 1:
+    raise ValueError(f'kv_format: the attention layers use different KV formats '
+                     f'{sorted(f.name if f else "float" for f in fmts)}; one cache holds one '
+                     'format, so set one with with_kv_format(model, fmt).')
+  return fmts.pop() if fmts else None
+
+
+def set_kv_format(model: nnx.Module, fmt: Union[None, str, QFormat],
+                  what: str = 'set_kv_format: fmt') -> Optional[QFormat]:
+  """Make every attention layer of `model` (in place) store K/V in `fmt`; returns the QFormat.
+
+  Args:
+    model: a model with `Attention` layers.
+    fmt: None (float), a name in `kvcache.KV_FORMATS` ('int8', 'int4', 'fp8', 'fp8_e5m2') or a
+      QFormat with a scale per token and kv head (as `init_cache` takes).
+    what: how the caller names `fmt`, for the error message.
+  """
+  layers = _attention_layers(model)
+  if not layers:
+    raise ValueError(f'{what}: {type(model).__name__} has no Attention layer to give a KV '
+                     'format; pass a Transformer.')
+  fmt = kvcache.check_format(fmt, layers[0].k_proj.weight_shape[-1], what)
+  for m in layers:
+    m.kv_fmt = fmt
+  return fmt
+
+
+def with_kv_format(model: nnx.Module, fmt: Union[None, str, QFormat]) -> nnx.Module:
+  """A copy of `model` whose attention stores K/V in `fmt` (see `set_kv_format`)."""
+  model = nnx.clone(model)
+  set_kv_format(model, fmt, 'with_kv_format: fmt')
+  return model

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qjax.nn import kvcache
+from qjax.nn.attention import kv_format
 from qjax.nn.kvcache import KVCache
 
 
@@ -45,6 +46,8 @@ def greedy_generate(model: nnx.Module, prompt_BT: jax.Array, num_steps: int) -> 
 
   Returns:
     tokens of shape (B, T + num_steps): the prompt followed by the generated tokens.
+
+  The cache stores K/V in the model's KV format (`kv_format(model)`; float when it has none).
   """
   cfg = model.config
   b, t = prompt_BT.shape
@@ -56,7 +59,7 @@ def greedy_generate(model: nnx.Module, prompt_BT: jax.Array, num_steps: int) -> 
                      'prompt or generate fewer tokens.')
   if num_steps == 0:
     return prompt_BT
-  cache = kvcache.init_cache(cfg, b, t + num_steps)
+  cache = kvcache.init_cache(cfg, b, t + num_steps, fmt=kv_format(model))
   graphdef, state = nnx.split(model)
   tok_B, cache = _greedy_step(graphdef, state, prompt_BT, cache)
   out = [prompt_BT, tok_B[:, None]]

@@ -17,7 +17,8 @@ Quantized storage: `init_cache(..., fmt='int8')` (or 'int4', 'fp8', 'fp8_e5m2', 
 `QFormat` with a scale per token and kv head) stores every layer's keys and values as a
 `QArray`; `write` quantizes the new tokens, `read` dequantizes. Scales never span tokens, so
 a write never changes what earlier tokens decode to. `cache.format` names the storage (for
-conversion records).
+conversion records). `through_format` gives a cache-free forward the same K/V values (the
+attention's `kv_fmt` hook, for QAT and for perplexity under a quantized cache).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 
-from qjax.core import QArray, QFormat, dequantize, fp8_format, int_format, quantize
+from qjax.core import (QArray, QFormat, dequantize, fake_quant, fp8_format, int_format,
+                       quantize)
 from qjax.nn.config import TransformerConfig
 
 # Quantized cache formats by name: a scale per (batch, slot, kv head), shared by the H
@@ -107,7 +109,7 @@ def init_cache(config: TransformerConfig, batch: int, max_len: Optional[int] = N
     raise ValueError(f'init_cache: batch={batch} must be >= 1.')
   shape = (batch, max_len, config.num_kv_heads, config.head_dim)
   dtype = jnp.dtype(dtype or config.dtype)
-  fmt = _check_format(fmt, shape)
+  fmt = check_format(fmt, config.head_dim)
   def zeros():  # distinct buffers per leaf, so that the cache can be donated
     if fmt is not None:  # all-zero groups quantize to codes 0, scale 1
       return tuple(quantize(jnp.zeros(shape, dtype), fmt) for _ in range(config.num_layers))
@@ -128,27 +130,44 @@ def check_fits(cache: KVCache, num_new: int) -> None:
                        f'max_len={cache.max_len}; build a longer cache or stop generating.')
 
 
-def _check_format(fmt, shape) -> Optional[QFormat]:
-  """The QFormat for `fmt`, or None; rejects scales that would span tokens or heads."""
+def check_format(fmt: Union[None, str, QFormat], head_dim: Optional[int] = None,
+                 what: str = 'init_cache: fmt') -> Optional[QFormat]:
+  """The QFormat a KV cache of `fmt` stores (None for float storage), or a ValueError.
+
+  Args:
+    fmt: None, a name in `KV_FORMATS`, or a QFormat with a scale per token and kv head.
+    head_dim: H, checked against the format's group size when given.
+    what: how the caller names the argument, for the error message.
+  """
   if fmt is None:
     return None
   if isinstance(fmt, str):
     if fmt not in KV_FORMATS:
-      raise ValueError(f'init_cache: fmt={fmt!r} is unknown; use one of {sorted(KV_FORMATS)} '
-                       'or a QFormat.')
+      raise ValueError(f'{what}={fmt!r} is unknown; use one of {sorted(KV_FORMATS)} or a '
+                       'QFormat (None: a float cache).')
     fmt = KV_FORMATS[fmt]
+  if not isinstance(fmt, QFormat):
+    raise ValueError(f'{what}={fmt!r} is not a KV cache format; use one of '
+                     f'{sorted(KV_FORMATS)} or a QFormat (None: a float cache).')
   channels = {a % 4 for a in fmt.channel_axes}
   grouped_h = fmt.group_size is not None and fmt.group_axis % 4 == 3
   if not {0, 1, 2} <= channels or (fmt.group_size is not None and not grouped_h):
-    raise ValueError(f'init_cache: KV format {fmt.name} must have a scale per token and kv '
+    raise ValueError(f'{what}: KV format {fmt.name} must have a scale per token and kv '
                      f'head (channel_axes containing 0, 1, 2 of k_BSKH, groups only along '
                      f'axis 3), got channel_axes={fmt.channel_axes}, group_axis='
                      f'{fmt.group_axis}; otherwise writing a token would rescale earlier '
                      "ones. Use e.g. KV_FORMATS['int8'].")
-  if grouped_h and shape[3] % fmt.group_size:
-    raise ValueError(f'init_cache: KV format {fmt.name} groups head_dim={shape[3]} by '
+  if grouped_h and head_dim is not None and head_dim % fmt.group_size:
+    raise ValueError(f'{what}: KV format {fmt.name} groups head_dim={head_dim} by '
                      f'{fmt.group_size}, which does not divide it; use a divisor of it.')
-  return fmt
+  return fmt.replace(channel_axes=tuple(sorted(a % 4 for a in fmt.channel_axes)),
+                     group_axis=fmt.group_axis % 4)
+
+
+def same_format(a: Optional[QFormat], b: Optional[QFormat]) -> bool:
+  """Whether two KV formats store the same codes (axes compared modulo the rank, 4)."""
+  norm = lambda f: f if f is None else check_format(f)
+  return norm(a) == norm(b)
 
 
 def write(cache: KVCache, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array) -> KVCache:
@@ -164,6 +183,42 @@ def write(cache: KVCache, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array) -> K
                                                 axis=1)
     return arrs[:layer] + (upd,) + arrs[layer + 1:]
   return dataclasses.replace(cache, k=put(cache.k, k_BTKH), v=put(cache.v, v_BTKH))
+
+
+def through_format(fmt: Optional[QFormat], k_BTKH: jax.Array, v_BTKH: jax.Array,
+                   cache: Optional[KVCache] = None) -> tuple[jax.Array, jax.Array]:
+  """New keys/values as a cache stored in `fmt` reads them back; straight-through gradients.
+
+  This is how a model whose attention has a KV format (`Attention.kv_fmt`, set by QAT) makes
+  its full forward compute what serving with that cache computes: `fake_quant` is
+  `dequantize(quantize(x))` bit for bit in the forward and the identity inside the clip range
+  in the backward. A cache of that format quantizes on `write` itself, so then k and v pass
+  unchanged; a float cache stores the fake-quantized values (what the quantized cache would
+  read back); a cache of another quantized format is an error (K/V would be rounded twice).
+
+  Args:
+    fmt: the KV format (from `check_format`), or None (k and v returned unchanged).
+    k_BTKH: new keys (after RoPE).
+    v_BTKH: new values.
+    cache: the cache they are written to next, or None (a full forward).
+
+  Returns:
+    (k_BTKH, v_BTKH) in their own dtypes, quantized through the cache's storage dtype.
+  """
+  if fmt is None:
+    return k_BTKH, v_BTKH
+  dtype = k_BTKH.dtype
+  if cache is not None:
+    if cache.qformat is not None:
+      if not same_format(cache.qformat, fmt):
+        raise ValueError(f'KV cache: the model stores K/V as {check_format(fmt).name} '
+                         f'(Attention.kv_fmt), but the cache holds {cache.format}; build the '
+                         f'cache with init_cache(..., fmt=qjax.nn.kv_format(model)), or change '
+                         "the model's format with qjax.nn.with_kv_format(model, fmt).")
+      return k_BTKH, v_BTKH
+    dtype = cache.k[0].dtype
+  fq = lambda x: fake_quant(x.astype(dtype), fmt).astype(x.dtype)
+  return fq(k_BTKH), fq(v_BTKH)
 
 
 def read(cache: KVCache, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
