@@ -9,9 +9,10 @@ from qjax.train import data, optim
 from qjax.train.distill import (check_distill, check_teacher, distill_loss, distill_step,
                                 student_config)
 from qjax.train.optim import make_optimizer
-from qjax.train.qat import (TRAINABLE, QATScale, activation_format, convert, float_model,
-                            learned_ranges, learned_scales, lm_loss, make_qat_optimizer,
-                            prepare_qat, qat_step, range_for, relative_adam)
+from qjax.train.qat import (TRAINABLE, QATScale, activation_format, lm_loss, make_qat_optimizer,
+                            prepare_qat, qat_step, relative_adam)
+from qjax.train.qat_convert import (convert, float_model, learned_ranges, learned_scales,
+                                    range_for)
 
 __all__ = [
     'QATScale', 'TRAINABLE', 'activation_format', 'check_distill', 'check_teacher', 'convert',
