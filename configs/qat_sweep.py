@@ -5,6 +5,8 @@ qat (LSQ learned scales, from the RTN point), qat+distill (the same, plus Hinton
 from the float model restored from the checkpoint)}: 36 points, appended to
 <out_dir>/results.jsonl in the PTQ sweeps' row format, with table.md and ppl_vs_bytes.png
 (one line per method). Rerunning skips finished points.
+--config.qat.kv=int4 (or int8, fp8) makes the QAT points train and serve with that KV cache
+format (points named '...-kvint4'; see experiments/qat.py).
 
 Command (base model first, ~2-4 minutes):
   XLA_FLAGS= .venv/bin/python experiments/train.py --config=configs/tiny_lm.py \
@@ -36,6 +38,8 @@ def qat_config() -> ml_collections.ConfigDict:
   q.weight_decay = 0.0
   q.clip_norm = 1.0
   q.learn_scales = True            # LSQ step sizes (+ zero points when asymmetric)
+  q.kv = ''                        # KV cache format to train and serve with ('int8', 'int4',
+                                   # 'fp8', 'fp8_e5m2'); '' = a float cache
   q.scale_lr = 1e-2                # their own lr (Adam, relative to their size: multi_transform)
   q.alpha = 0.5                    # distillation: weight of the label cross entropy
   q.temperature = 2.0              # distillation temperature T

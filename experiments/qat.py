@@ -12,6 +12,13 @@ teacher), converts with `quantize_model` and is evaluated, saved and reloaded ex
 PTQ point. Results append to <out_dir>/results.jsonl (resumable), with table.md,
 ppl_vs_bytes.png and summary.json (the fraction of RTN's perplexity loss each QAT point
 recovers, and its training cost).
+
+With --config.qat.kv=int4 (or int8, fp8, fp8_e5m2) QAT points also train with keys and
+values fake-quantized as that KV cache stores them; the converted model keeps the format, so
+its perplexity (a full forward) is the perplexity under that cache, greedy generation runs
+through that cache, the record's kv_cache_format names it, and the row adds
+float_cache_ppl (the same model with a float cache). Such points are named '...-kv<fmt>'
+and have no `recovered`: the RTN points they would be compared with use a float cache.
 """
 
 import json
@@ -31,10 +38,10 @@ from ml_collections import config_flags  # noqa: E402
 
 from qjax import checkpoints as qckpt  # noqa: E402
 from qjax import eval as qeval  # noqa: E402
-from qjax.nn import weight_bytes  # noqa: E402
+from qjax import train as qtrain  # noqa: E402
+from qjax.nn import kv_format, weight_bytes, with_kv_format  # noqa: E402
 from qjax.train import data as qdata  # noqa: E402
 from qjax.train import distill as qdistill  # noqa: E402
-from qjax.train import qat as qqat  # noqa: E402
 from qjax.train.optim import make_optimizer  # noqa: E402
 
 from experiments import quantize as qexp  # noqa: E402
@@ -61,13 +68,13 @@ def train_loop(model: nnx.Module, data, qc, seq_len: int, teacher=None, log=prin
     qdistill.check_distill(qc.alpha, qc.temperature)
     qdistill.check_teacher(teacher, model)
   tx = make_optimizer(qc.lr, qc.steps, qc.warmup, qc.weight_decay, qc.clip_norm)
-  learned = bool(jax.tree.leaves(nnx.state(model, qqat.QATScale)))
-  optimizer = qqat.make_qat_optimizer(model, tx, scale_lr=qc.scale_lr if learned else None)
+  learned = bool(jax.tree.leaves(nnx.state(model, qtrain.QATScale)))
+  optimizer = qtrain.make_qat_optimizer(model, tx, scale_lr=qc.scale_lr if learned else None)
   t0, loss = time.perf_counter(), None
   for step in range(qc.steps):
     batch = jnp.asarray(qdata.batch_at(data.train, step, qc.batch, seq_len, qc.seed))
     if teacher is None:
-      loss = qqat.qat_step(model, optimizer, batch)
+      loss = qtrain.qat_step(model, optimizer, batch)
     else:
       loss, _ = qdistill.distill_step(model, optimizer, teacher, batch, alpha=qc.alpha,
                                       temperature=qc.temperature)
@@ -89,17 +96,22 @@ def qat_point(ref: qexp.FloatReference, c, out_dir: str, base_hash: str, log=pri
                      f'{QAT_METHODS} (or "rtn" through experiments/quantize.py).')
   t0 = time.perf_counter()
   policy = qexp.make_policy(q)
-  model, _ = qqat.prepare_qat(ref.model, policy, learn_scales=qc.learn_scales)
+  model, _ = qtrain.prepare_qat(ref.model, policy, learn_scales=qc.learn_scales,
+                                kv=qc.kv or None)
   teacher = ref.model if q.method == 'qat+distill' else None
   stats = train_loop(model, ref.data, qc, ref.model.config.max_len, teacher, log)
-  qmodel, report = qqat.convert(model, policy)
+  qmodel, report = qtrain.convert(model, policy)
   # What you train is what you serve: the fake-quant forward vs the converted weights
   # multiplied exactly (path='dequant'); the served path may also quantize activations.
   fake_logits = qeval.logits(model, ref.ref_tokens)
-  exact_logits = qeval.logits(qqat.convert(model, policy, path='dequant')[0], ref.ref_tokens)
+  exact_logits = qeval.logits(qtrain.convert(model, policy, path='dequant')[0],
+                              ref.ref_tokens)
+  # With a KV format, the full forward quantizes K/V as the cache does: this is the
+  # perplexity under that cache, and greedy_agreement generates through it.
   ppl = qeval.perplexity(qmodel, ref.windows, ref.e.batch)
   qlogits = qeval.logits(qmodel, ref.ref_tokens)
-  row = {'name': qexp.point_name(q), 'method': q.method, 'weight_format': qexp.format_label(q),
+  kv = kv_format(qmodel)
+  row = {'name': point_name(c), 'method': q.method, 'weight_format': qexp.format_label(q),
          'ppl': ppl['ppl'], 'float_ppl': ref.ppl['ppl'], 'ppl_delta': ppl['ppl'] - ref.ppl['ppl'],
          'eval_tokens': ppl['tokens'], **qeval.logit_diff(ref.logits, qlogits),
          'kl': qeval.kl_divergence(ref.logits, qlogits),
@@ -109,7 +121,10 @@ def qat_point(ref: qexp.FloatReference, c, out_dir: str, base_hash: str, log=pri
          'unused_rules': [r.pattern for r in report.unused_rules], **stats,
          'learn_scales': bool(qc.learn_scales),
          'train_serve_max_abs_logit_diff': float(jnp.max(jnp.abs(fake_logits - exact_logits))),
-         'qat': qc.to_dict()}
+         'kv_cache_format': kv.name if kv else None, 'qat': qc.to_dict()}
+  if kv:
+    row['float_cache_ppl'] = qeval.perplexity(with_kv_format(qmodel, None), ref.windows,
+                                              ref.e.batch)['ppl']
   row['bytes_ratio'] = row['weight_bytes'] / ref.bytes
   if qc.save:
     qckpt.save_quantized(out_dir, qmodel, policy, _record(ref, q, qc, report, policy, base_hash,
@@ -123,9 +138,18 @@ def qat_point(ref: qexp.FloatReference, c, out_dir: str, base_hash: str, log=pri
   return row
 
 
+def point_name(c) -> str:
+  """The PTQ sweep's point name, with '-kv<fmt>' for a QAT point trained with a KV format."""
+  name = qexp.point_name(c.quant)
+  if c.qat.kv and c.quant.method in QAT_METHODS:
+    name += f'-kv{c.qat.kv}'
+  return name
+
+
 def _record(ref, q, qc, report, policy, base_hash, row) -> dict:
   """The conversion record of a QAT point (the PTQ record's fields, QAT's procedure)."""
   distill = q.method == 'qat+distill'
+  kv = row['kv_cache_format']
   return {
       'base_checkpoint': {'sha256': base_hash, 'source': 'experiments/train.py'},
       'tokenizer': ref.data.tokenizer.name, 'source_dtype': ref.model.config.param_dtype,
@@ -149,7 +173,9 @@ def _record(ref, q, qc, report, policy, base_hash, row) -> dict:
       'compute_dtype': ref.model.config.dtype,
       'accumulation_dtype': 'int32 for integer dots, float32 otherwise',
       'compute_path': policy.path,
-      'kv_cache_format': f'{ref.model.config.dtype} (not quantized)',
+      'kv_cache_format': (f'{kv} (quantized on write, per token and kv head; K/V '
+                          'fake-quantized the same way in training)' if kv else
+                          f'{ref.model.config.dtype} (not quantized)'),
       'adapter_merge_status': 'no adapters',
       'evaluation': {k: row[k] for k in ('ppl', 'float_ppl', 'max_abs_logit_diff',
                                          'greedy_agreement', 'weight_bytes',
@@ -161,14 +187,15 @@ def recovered(rows: list[dict], float_ppl: float) -> list[dict]:
   """Rows with `recovered`: (ppl_rtn - ppl) / (ppl_rtn - ppl_float) against the RTN point.
 
   Left empty where RTN lost under 1% of the float perplexity: the ratio of two tiny
-  differences says nothing.
+  differences says nothing; and for points with a quantized KV cache (RTN points have a float
+  one: the two losses differ in kind).
   """
-  rtn = {r['weight_format']: r['ppl'] for r in rows
+  rtn = {(r['weight_format'], r.get('kv_cache_format')): r['ppl'] for r in rows
          if r.get('method') == 'rtn' and r.get('status') == 'ok'}
   out = []
   for r in rows:
     r = dict(r)
-    base = rtn.get(r.get('weight_format'))
+    base = rtn.get((r.get('weight_format'), r.get('kv_cache_format')))
     if r.get('method') in QAT_METHODS and 'ppl' in r and base is not None:
       lost = base - float_ppl
       r['rtn_ppl'] = base
@@ -190,7 +217,7 @@ def run_qat_sweep(config, points: list[dict], model=None, data=None, log=print) 
     model, _, data = train_lib.load_trained(config.workdir)
   ref = qexp.FloatReference(model, data, config.eval)
   base_hash = qexp.base_checkpoint_hash(config.workdir)
-  named = [(qexp.point_name(sweep_lib.apply_overrides(config, ov).quant), ov) for ov in points]
+  named = [(point_name(sweep_lib.apply_overrides(config, ov)), ov) for ov in points]
 
   def run_point(name, ov):
     c = sweep_lib.apply_overrides(config, ov)

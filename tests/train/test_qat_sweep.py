@@ -78,3 +78,23 @@ def test_sweep_declares_the_full_grid_and_rejects_one_bit(trained, tmp_path):
                                log=lambda s: None)
   assert rows[1]['status'] == 'error' and 'ValueError' in rows[1]['error']
   assert 'bits=1' in rows[1]['error']
+
+
+def test_kv_qat_point_serves_and_records_its_cache_format(trained, tmp_path):
+  """qat.kv: trained and evaluated with the int4 cache, recorded, reloaded with it."""
+  from experiments import qat as qat_exp  # pylint: disable=g-import-not-at-top
+  from qjax.checkpoints import load_quantized  # pylint: disable=g-import-not-at-top
+  from qjax.nn import kv_format  # pylint: disable=g-import-not-at-top
+  c = _config(trained, tmp_path)
+  c.qat.kv = 'int4'
+  points = [{'quant.bits': 8, 'quant.group_size': 32, 'quant.method': m} for m in ('rtn', 'qat')]
+  rows = qat_exp.run_qat_sweep(c, points, log=lambda s: None)
+  assert [r['name'] for r in rows] == ['float', 'rtn-int8-g32', 'qat-int8-g32-kvint4']
+  assert all(r['status'] == 'ok' for r in rows), [r.get('error') for r in rows]
+  kv = rows[2]
+  assert kv['kv_cache_format'] == 'int4-ch012' and rows[1].get('kv_cache_format') is None
+  assert kv['float_cache_ppl'] != kv['ppl'] and kv.get('recovered') is None
+  assert kv['reload_bit_identical']
+  record = json.load(open(os.path.join(kv['out_dir'], 'conversion_record.json')))
+  assert record['kv_cache_format'].startswith('int4-ch012 (quantized on write')
+  assert kv_format(load_quantized(kv['out_dir'])[0]).name == 'int4-ch012'
