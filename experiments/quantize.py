@@ -80,8 +80,13 @@ def calibration_set(calib, data) -> tuple[np.ndarray, str]:
   except ValueError as e:
     raise ValueError(f'calibration set from {where!r}: {e} (config calib.num_sequences / '
                      'calib.seq_len)') from None
-  return tokens, (f'{where}, {calib.num_sequences} random windows of {calib.seq_len} tokens '
-                  f'(seed {calib.seed})')
+  desc = (f'{where}, {calib.num_sequences} random windows of {calib.seq_len} tokens '
+          f'(seed {calib.seed})')
+  bos = getattr(data, 'window_bos', None)  # models evaluated with BOS first (Gemma)
+  if bos is not None:
+    tokens[:, 0] = bos
+    desc += f', first token of each set to BOS (id {bos}) as in evaluation'
+  return tokens, desc
 
 
 class FloatReference:
@@ -133,12 +138,13 @@ def quantize(ref: FloatReference, q, calib=None, options=None):
 
 def quantize_and_evaluate(ref: FloatReference, q, out_dir: str, base_hash: str,
                           reload_check: bool = True, calib=None, options=None,
-                          warm_repeat: bool = False, base_source: str = 'experiments/train.py'
-                          ) -> dict:
+                          warm_repeat: bool = False, base_source: str = 'experiments/train.py',
+                          extra_metrics=None) -> dict:
   """Quantize `ref.model` per `q` (see `quantize`), evaluate against float, save with a record.
 
   `warm_repeat` quantizes a second time and reports that time too: the first includes XLA
-  compiles, the second is the algorithm's own cost.
+  compiles, the second is the algorithm's own cost. `extra_metrics(qmodel, calibration
+  record) -> dict` adds columns to the row (e.g. a second dataset's perplexity).
   """
   t0 = time.perf_counter()
   qmodel, report, calibration, policy = quantize(ref, q, calib, options)
@@ -160,12 +166,16 @@ def quantize_and_evaluate(ref: FloatReference, q, out_dir: str, base_hash: str,
          'quantized_layer_bytes': list(report.quantized_bytes()),
          'quantize_seconds': t_quant, 'unused_rules': [r.pattern for r in report.unused_rules]}
   row['bytes_ratio'] = row['weight_bytes'] / ref.bytes
+  q_before, q_after = row['quantized_layer_bytes']
+  row['quantized_bytes_ratio'] = q_after / q_before if q_before else None
   if warm is not None:
     row['warm_seconds'] = warm
   if q.method == 'llm_int8':
     row['int8_fraction'] = calibration['llm_int8']['int8_fraction']
   if calibration.get('data'):
     row['calibration_tokens_sha256'] = calibration['data']['token_sha256']
+  if extra_metrics is not None:
+    row.update(extra_metrics(qmodel, calibration))
   # ---- save + conversion record
   exempt = [l.path for l in report.layers if not l.quantized]
   record = {

@@ -63,7 +63,7 @@ def sweep_point_name(config, overrides: dict) -> str:
 
 def run_ptq_sweep(config, points: list[dict], model=None, data=None, log=print, ref=None,
                   base_hash=None, base_source='experiments/train.py',
-                  title='PTQ sweep') -> list[dict]:
+                  title='PTQ sweep', extra_metrics=None) -> list[dict]:
   """Quantize + evaluate every point; write results.jsonl, table.md and the plot.
 
   The base is `config.workdir`'s trained run unless `ref` (a FloatReference of another
@@ -83,7 +83,8 @@ def run_ptq_sweep(config, points: list[dict], model=None, data=None, log=print, 
     return qexp.quantize_and_evaluate(
         ref, c.quant, os.path.join(config.out_dir, 'points', name), base_hash,
         calib=c.get('calib'), options=c.get('options'),
-        warm_repeat=bool(c.get('warm_repeat', False)), base_source=base_source)
+        warm_repeat=bool(c.get('warm_repeat', False)), base_source=base_source,
+        extra_metrics=extra_metrics)
 
   results_path = os.path.join(config.out_dir, 'results.jsonl')
   rows = qeval.run_sweep(named, run_point, results_path, log=log)

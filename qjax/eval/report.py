@@ -10,6 +10,7 @@ COLUMNS = (('name', 'point'), ('method', 'method'), ('weight_format', 'format'),
            ('mean_abs_logit_diff', 'mean |Δlogit|'), ('kl', 'KL'),
            ('greedy_agreement', 'greedy agree'), ('int8_fraction', 'int8 frac'),
            ('weight_bytes', 'weight bytes'), ('bytes_ratio', 'bytes/float'),
+           ('quantized_bytes_ratio', 'quantized layers bytes/float'),
            ('quantize_seconds', 'quant s'), ('warm_seconds', 'quant s (warm)'),
            ('seconds', 'time s'), ('status', 'status'))
 
