@@ -13,10 +13,8 @@ on its inputs (`calibrate.collect_stats`), and the method replaces the stage's w
 * non-sequential: every statistic comes from the float model.
 
 AWQ and SmoothQuant scale the stage's weight rows by s and fold 1/s into the producer of the
-shared input: the RMSNorm weight (q/k/v, gate/up, LM head), else the previous linear layer's
-output channels (v_proj for o_proj, with s shared by the query heads of one kv head; up_proj
-for down_proj; for a quantized producer its per-channel QArray scales are divided), else an
-explicit multiply (`ScaledEinsum`). The calibration record says which, per stage.
+shared input (`qjax.algorithms.stages`: the norm, the previous linear layer, or an explicit
+`ScaledEinsum`). The calibration record says which, per stage.
 """
 
 from __future__ import annotations
@@ -29,15 +27,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from qjax.algorithms import awq, gptq, llm_int8, smoothquant
 from qjax.algorithms.calibrate import (EinsumView, calibration_batches, collect_stats, forward,
                                        token_facts)
-from qjax.core import QArray
-from qjax.core.formats import normalize_axis
+from qjax.algorithms.stages import (BLOCK_STAGES, HEAD_STAGE, ScaledEinsum, Stage, WalkState,
+                                    migrate, module_at, plan_fold, set_module_at, stage_keys)
 from qjax.nn import QuantPolicy, QuantReport, Transformer, einsum_layers, quantize_model
-from qjax.nn.layers import Einsum, parse_spec
 
 METHODS = ('rtn', 'gptq', 'awq', 'smoothquant', 'llm_int8')
 COMMON_OPTIONS = {'sequential': True, 'batch_size': 8, 'source': None, 'seed': None}
@@ -45,48 +41,6 @@ METHOD_OPTIONS = {'rtn': {}, 'gptq': gptq.OPTIONS, 'awq': awq.OPTIONS,
                   'smoothquant': smoothquant.OPTIONS, 'llm_int8': llm_int8.OPTIONS}
 _KINDS = {'gptq': ('hessian',), 'awq': ('hessian', 'absmean'), 'smoothquant': ('absmax',),
           'llm_int8': ('int8_frac',)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-  """Einsums reading one array, and where a per-input-channel scale of it can be folded."""
-  layers: tuple[str, ...]  # paths under the block
-  fold: str  # 'norm' or 'linear'
-  into: str  # the RMSNorm / previous Einsum under the block
-  heads_tie: bool = False  # rows are (N, H) and the producer's outputs (K, H)
-  into_bias: str = ''  # the producer's output bias, if the model has one (Qwen2's v_bias)
-
-
-BLOCK_STAGES = (Stage(('attn/q_proj', 'attn/k_proj', 'attn/v_proj'), 'norm', 'pre_attn_norm'),
-                Stage(('attn/o_proj',), 'linear', 'attn/v_proj', heads_tie=True,
-                      into_bias='attn/v_bias'),
-                Stage(('mlp/gate_proj', 'mlp/up_proj'), 'norm', 'pre_mlp_norm'),
-                Stage(('mlp/down_proj',), 'linear', 'mlp/up_proj'))
-HEAD_STAGE = Stage(('lm_head',), 'norm', 'final_norm')
-
-
-class InputScale(nnx.Variable):
-  """The per-input-element divisor of a `ScaledEinsum` (not trained)."""
-
-
-class ScaledEinsum(Einsum):
-  """`einsum(spec, x / s, w)`: an AWQ / SmoothQuant scale that no producer could absorb.
-
-  `s` has the shape of the contracted weight axes, in weight order. Taps see x (the layer's
-  input); the division happens in `apply`, just before the product.
-  """
-
-  def __init__(self, layer: Einsum, s):
-    for k, v in vars(layer).items():
-      if not k.startswith('_'):
-        setattr(self, k, v)
-    self.in_scale = InputScale(jnp.asarray(s, jnp.float32))
-
-  def apply(self, x: jax.Array, w, out_dtype=None) -> jax.Array:
-    xs, cl = parse_spec(self.spec)[0], self.contracted_letters
-    s = jnp.transpose(self.in_scale[...], [cl.index(c) for c in xs if c in cl])
-    s = s.reshape([x.shape[i] if c in cl else 1 for i, c in enumerate(xs)])
-    return super().apply(x / s.astype(x.dtype), w, out_dtype)
 
 
 # ---- options ------------------------------------------------------------------------------
@@ -103,19 +57,6 @@ def resolve_options(method: str, options: Optional[dict]) -> dict:
   {'gptq': gptq.check_options, 'awq': awq.check_options, 'rtn': lambda o: None,
    'smoothquant': smoothquant.check_options, 'llm_int8': llm_int8.check_options}[method](opts)
   return opts
-
-
-# ---- model paths ----------------------------------------------------------------------------
-def _get(root, path: str):
-  node = root
-  for part in filter(None, path.split('/')):
-    node = node[int(part)] if part.isdigit() else getattr(node, part)
-  return node
-
-
-def _set(root, path: str, value) -> None:
-  parent, _, name = path.rpartition('/')
-  setattr(_get(root, parent), name, value)
 
 
 def _embed_fwd(model: Transformer, tokens_BT):
@@ -135,140 +76,11 @@ def _head_fwd(model: Transformer, x_BTD):
   return model.lm_head(model.final_norm(x_BTD), out_dtype=jnp.float32)
 
 
-@dataclasses.dataclass
-class _Ctx:
-  model: Transformer
-  qmodel: Transformer
-  fmts: dict  # path -> (QFormat, act QFormat or None), from quantize_model
-  opts: dict
-  layers: dict = dataclasses.field(default_factory=dict)  # per-layer record entries
-  stages: list = dataclasses.field(default_factory=list)  # per-stage record entries
-  structure: dict = dataclasses.field(default_factory=dict)  # path -> swapped module kind
-  notes: list = dataclasses.field(default_factory=list)
-
-  def float_weight(self, path: str):
-    """The layer's current float weight: original if quantized by the policy, else qmodel's."""
-    return _get(self.model if path in self.fmts else self.qmodel, path).w.get_value()
-
-
-# ---- folding 1/s into the producer of a stage's input -------------------------------------
-def _plan_fold(ctx: _Ctx, stage: Stage, prefix: str):
-  """('norm' | 'linear' | 'explicit', producer path or None, tie ids or None)."""
-  into = prefix + stage.into
-  if stage.fold == 'norm':
-    return 'norm', into, None
-  prev = _get(ctx.qmodel, into)
-  w = prev.w.get_value()
-  per_channel = not isinstance(w, QArray) or {
-      normalize_axis(a, w.ndim, 'channel_axes') for a in w.fmt.channel_axes} == set(
-          a for a in range(w.ndim) if a not in prev.contracted_axes)
-  if not ctx.opts['fold_linear'] or not per_channel or type(prev) is not Einsum:
-    return 'explicit', None, None
-  if not stage.heads_tie:
-    return 'linear', into, None
-  cfg = ctx.model.config
-  n, h = np.meshgrid(np.arange(cfg.num_heads), np.arange(cfg.head_dim), indexing='ij')
-  return 'linear', into, ((n // cfg.group_size) * cfg.head_dim + h).reshape(-1)
-
-
-def _divide_outputs(layer: Einsum, s_out) -> None:
-  """Divide the layer's output channels by s (its float weight or its QArray scales)."""
-  view, w = EinsumView.of(layer), layer.w.get_value()
-  s = jnp.reshape(s_out, view.col_shape())
-  if isinstance(w, QArray):
-    if w.fmt.group_size:
-      s = jnp.expand_dims(s, normalize_axis(w.fmt.group_axis, w.ndim, 'group_axis') + 1)
-    scale = (w.scale.astype(jnp.float32) / s).astype(w.scale.dtype)
-    layer.w.set_value(dataclasses.replace(w, scale=scale))
-  else:
-    layer.w.set_value((w / s).astype(w.dtype))
-
-
-def _migrate(ctx: _Ctx, stage: Stage, prefix: str, todo: list, s_nat, plan) -> str:
-  """Scale the float consumers' rows by s and fold 1/s into the producer; describe it."""
-  kind, into, tie = plan
-  for p in (prefix + q for q in stage.layers):
-    if p not in todo:  # a consumer kept float by the policy: keep its product exact
-      layer = _get(ctx.qmodel, p)
-      w = layer.w.get_value()
-      layer.w.set_value((w * s_nat.reshape(EinsumView.of(layer).row_shape())).astype(w.dtype))
-  if kind == 'norm':
-    norm = _get(ctx.qmodel, into)
-    v = norm.scale.get_value()
-    v32 = v.astype(jnp.float32)
-    norm.scale.set_value(((1.0 + v32) / s_nat - 1.0 if norm.plus_one else v32 / s_nat)
-                         .astype(v.dtype))
-    return f'norm weight {into}'
-  if kind == 'linear':
-    prev = _get(ctx.qmodel, into)
-    s_out = s_nat if tie is None else jax.ops.segment_max(s_nat, jnp.asarray(tie),
-                                                          num_segments=int(tie.max()) + 1)
-    _divide_outputs(prev, s_out)
-    bias = getattr(_get(ctx.qmodel, prefix + stage.into_bias.rpartition('/')[0]),
-                   stage.into_bias.rpartition('/')[2], None) if stage.into_bias else None
-    if bias is not None:  # y = x W + b: both halves of the producer's output carry 1/s
-      b = bias.get_value()
-      bias.set_value((b / jnp.reshape(s_out, b.shape)).astype(b.dtype))
-    how = 'QArray per-channel scales' if prev.quantized else 'float weight'
-    shared = '' if tie is None else f', s shared by the {ctx.model.config.group_size} ' \
-                                    'query head(s) of each kv head'
-    return f'previous linear {into} (output channels, {how}{shared})'
-  (p,) = (prefix + q for q in stage.layers)
-  layer = _get(ctx.qmodel, p)
-  _set(ctx.qmodel, p, ScaledEinsum(layer, s_nat.reshape(EinsumView.of(layer).contracted_shape)))
-  ctx.structure[p] = 'explicit_scale'
-  return f'explicit multiply x / s in {p} (ScaledEinsum)'
-
-
-def stage_keys(model: Transformer) -> dict[str, tuple[Stage, str]]:
-  """{path of a stage's first Einsum: (stage, block prefix)} for every stage of `model`."""
-  keys = {f'layers/{i}/{st.layers[0]}': (st, f'layers/{i}/')
-          for i in range(model.config.num_layers) for st in BLOCK_STAGES}
-  if model.lm_head is not None:
-    keys['lm_head'] = (HEAD_STAGE, '')
-  return keys
-
-
-def fold_scales(model: Transformer, scales: dict, fold_linear: bool = True) -> dict[str, str]:
-  """Migrate per-input-channel scales into a float model, in place, as AWQ / SmoothQuant do.
-
-  For each stage (keyed by its first Einsum, see `stage_keys`): the rows of every Einsum
-  reading the stage's input are multiplied by s, and 1/s goes into the producer of that input
-  (`apply_method` does the same, with the stage's weights quantized). In exact arithmetic
-  the model's function is unchanged.
-
-  Args:
-    model: a float Transformer (modified in place).
-    scales: {stage key: s over the contracted elements, natural order}; for o_proj folded
-      into v_proj, s must be equal across the query heads of one kv head.
-    fold_linear: fold o_proj / down_proj scales into v_proj / up_proj (else explicit).
-
-  Returns:
-    {stage key: where 1/s went}.
-  """
-  keys = stage_keys(model)
-  ctx = _Ctx(model, model, {}, {'fold_linear': fold_linear})
-  done = {}
-  for key, s in scales.items():
-    if key not in keys:
-      raise ValueError(f'fold_scales: {key!r} is not a stage; stages are {sorted(keys)}.')
-    stage, prefix = keys[key]
-    plan = _plan_fold(ctx, stage, prefix)
-    s = jnp.asarray(s, jnp.float32).reshape(-1)
-    if plan[2] is not None and not np.allclose(
-        np.asarray(s), np.asarray(jax.ops.segment_max(s, plan[2], int(plan[2].max()) + 1))[
-            plan[2]]):
-      raise ValueError(f'fold_scales: s of {key!r} differs between query heads sharing a kv '
-                       'head, so v_proj cannot absorb it; tie it or pass fold_linear=False.')
-    done[key] = _migrate(ctx, stage, prefix, [], s, plan)
-  return done
-
-
 # ---- one stage, per method ----------------------------------------------------------------
 def _gptq_stage(ctx, stage, prefix, todo, st):
   o = ctx.opts
   for p in todo:
-    fmt, layer = ctx.fmts[p][0], _get(ctx.qmodel, p)
+    fmt, layer = ctx.fmts[p][0], module_at(ctx.qmodel, p)
     try:
       q, info = gptq.quantize_layer(ctx.float_weight(p), EinsumView.of(layer, fmt), fmt,
                                     st.hessian, damp=o['damp'], block_size=o['block_size'],
@@ -281,43 +93,44 @@ def _gptq_stage(ctx, stage, prefix, todo, st):
 
 
 def _awq_stage(ctx, stage, prefix, todo, st):
-  plan = _plan_fold(ctx, stage, prefix)
+  plan = plan_fold(ctx, stage, prefix)
   act, tie = st.absmean, plan[2]
   if tie is not None:  # one scale per kv-head channel: mean |x| over the heads sharing it
     t = jnp.asarray(tie)
     act = (jax.ops.segment_sum(act, t, int(tie.max()) + 1)
            / jax.ops.segment_sum(jnp.ones_like(act), t, int(tie.max()) + 1))[t]
-  layers = [(ctx.float_weight(p), EinsumView.of(_get(ctx.qmodel, p), ctx.fmts[p][0]),
+  layers = [(ctx.float_weight(p), EinsumView.of(module_at(ctx.qmodel, p), ctx.fmts[p][0]),
              ctx.fmts[p][0]) for p in todo]
   s_nat, qs, info = awq.search_stage(layers, act, st.hessian, ctx.opts)
   for p, q in zip(todo, qs):
-    _get(ctx.qmodel, p).w.set_value(q)
-  fold = _migrate(ctx, stage, prefix, todo, s_nat, plan)
+    module_at(ctx.qmodel, p).w.set_value(q)
+  fold = migrate(ctx, stage, prefix, todo, s_nat, plan)
   ctx.stages.append({'layers': todo, 'fold': fold, **info})
 
 
 def _smoothquant_stage(ctx, stage, prefix, todo, st):
-  plan = _plan_fold(ctx, stage, prefix)
+  plan = plan_fold(ctx, stage, prefix)
   paths = [prefix + q for q in stage.layers]
-  ws = [EinsumView.of(_get(ctx.qmodel, p)).to_2d(ctx.float_weight(p).astype(jnp.float32))
+  ws = [EinsumView.of(module_at(ctx.qmodel, p)).to_2d(ctx.float_weight(p).astype(jnp.float32))
         for p in paths]
   s_nat = smoothquant.stage_scales(st.absmax, ws, ctx.opts['alpha'], plan[2])
   for p in todo:
-    layer, fmt, w = _get(ctx.qmodel, p), ctx.fmts[p][0], ctx.float_weight(p)
+    layer, fmt, w = module_at(ctx.qmodel, p), ctx.fmts[p][0], ctx.float_weight(p)
     q = smoothquant.quantize_scaled(w, s_nat, EinsumView.of(layer), fmt)
     layer.w.set_value(dataclasses.replace(q, dtype_name=jnp.dtype(w.dtype).name))
-  fold = _migrate(ctx, stage, prefix, todo, s_nat, plan)
+  fold = migrate(ctx, stage, prefix, todo, s_nat, plan)
   ctx.stages.append({'layers': todo, 'fold': fold, 'alpha': ctx.opts['alpha'],
                      'scale_range': [float(jnp.min(s_nat)), float(jnp.max(s_nat))]})
 
 
-def _llm_int8_convert(ctx: _Ctx) -> None:
+def _llm_int8_convert(ctx: WalkState) -> None:
   """Swap every matched stage Einsum for an `LLMInt8Einsum` (no calibration needed)."""
   keep = ctx.opts['outlier_weights'] == 'float'
   for key, (stage, prefix) in stage_keys(ctx.model).items():
     for p in (prefix + q for q in stage.layers if prefix + q in ctx.fmts):
-      _set(ctx.qmodel, p, llm_int8.LLMInt8Einsum(_get(ctx.qmodel, p), ctx.opts['threshold'],
-                                                 ctx.float_weight(p) if keep else None))
+      layer = llm_int8.LLMInt8Einsum(module_at(ctx.qmodel, p), ctx.opts['threshold'],
+                                     ctx.float_weight(p) if keep else None)
+      set_module_at(ctx.qmodel, p, layer)
       ctx.structure[p] = 'llm_int8'
 
 
@@ -331,14 +144,14 @@ _STAGE_FNS = {'gptq': _gptq_stage, 'awq': _awq_stage, 'smoothquant': _smoothquan
               'llm_int8': _llm_int8_stage}
 
 
-def _process(ctx: _Ctx, method: str, stage: Stage, prefix: str, module, fwd, xs) -> None:
+def _process(ctx: WalkState, method: str, stage: Stage, prefix: str, module, fwd, xs) -> None:
   """Calibrate and convert one stage; `module` (block or model) runs `fwd` on `xs`."""
   todo = [prefix + q for q in stage.layers if prefix + q in ctx.fmts]
   if not todo:
     return
   rel = todo[0][len(prefix):]  # the stage's layers share their input: tap one of them
   st = collect_stats(module, fwd, xs, [rel], _KINDS[method], ctx.opts.get('threshold'))[rel]
-  rows = EinsumView.of(_get(module, rel)).rows
+  rows = EinsumView.of(module_at(module, rel)).rows
   if method in ('gptq', 'awq') and st.count < rows:
     msg = (f'{todo[0]}: {st.count} calibration tokens for {rows} input channels; H is rank-'
            'deficient (damping keeps it invertible) and the fit may not generalise: calibrate '
@@ -360,9 +173,9 @@ def _check_formats(method: str, qmodel, fmts: dict) -> None:
                        'SmoothQuant is for W8A8: give the rule act=int_format(8) '
                        "(quant.act='int8').")
     if method == 'llm_int8':
-      llm_int8.check_vector_wise(_get(qmodel, p).w.get_value(), _get(qmodel, p), p)
+      llm_int8.check_vector_wise(module_at(qmodel, p).w.get_value(), module_at(qmodel, p), p)
     if method in ('gptq', 'awq'):
-      layer = _get(qmodel, p)
+      layer = module_at(qmodel, p)
       EinsumView.of(layer, fmt).fmt2(fmt)
 
 
@@ -398,7 +211,7 @@ def apply_method(model: Transformer, policy: QuantPolicy, method: str, calib_tok
   batches = calibration_batches(calib_tokens, cfg.vocab_size, cfg.max_len, opts['batch_size'])
   fmts = {p: (l.w.get_value().fmt, l.act_fmt) for p, l in einsum_layers(qmodel) if l.quantized}
   _check_formats(method, qmodel, fmts)
-  ctx = _Ctx(model, qmodel, fmts, opts)
+  ctx = WalkState(model, qmodel, fmts, opts)
   if method == 'llm_int8':  # converted up front: one model structure to compile per block
     _llm_int8_convert(ctx)
   src = qmodel if opts['sequential'] else model
@@ -441,7 +254,7 @@ def _procedure(method: str, o: dict) -> str:
   return text if method == 'rtn' else f'{text}. {seq}; batches of {o["batch_size"]} sequences.'
 
 
-def _record(method, opts, tokens, ctx: _Ctx, seconds) -> dict:
+def _record(method, opts, tokens, ctx: WalkState, seconds) -> dict:
   rec = {'method': method,
          'data': {'source': opts['source'], 'seed': opts['seed'], **token_facts(tokens)},
          'procedure': _procedure(method, opts), 'sequential': opts['sequential'],
@@ -449,8 +262,8 @@ def _record(method, opts, tokens, ctx: _Ctx, seconds) -> dict:
          'layers': ctx.layers, 'stages': ctx.stages, 'structure': ctx.structure,
          'notes': ctx.notes, 'seconds': seconds}
   if method == 'llm_int8':
-    macs = {p: EinsumView.of(_get(ctx.model, p)).rows * EinsumView.of(_get(ctx.model, p)).cols
-            for p in ctx.layers}
+    views = {p: EinsumView.of(module_at(ctx.model, p)) for p in ctx.layers}
+    macs = {p: v.rows * v.cols for p, v in views.items()}
     total = sum(macs.values())
     rec['llm_int8'] = {
         'threshold': opts['threshold'], 'outlier_weights': opts['outlier_weights'],
@@ -461,7 +274,7 @@ def _record(method, opts, tokens, ctx: _Ctx, seconds) -> dict:
   return rec
 
 
-def _report(report: QuantReport, method: str, ctx: _Ctx) -> QuantReport:
+def _report(report: QuantReport, method: str, ctx: WalkState) -> QuantReport:
   layers = []
   for l in report.layers:
     if l.path in ctx.layers or any(l.path in s['layers'] for s in ctx.stages):
@@ -481,13 +294,14 @@ def rebuild_structure(qmodel: Transformer, calibration_record: dict) -> Transfor
   output, with placeholder values, so an Orbax restore of its state finds every variable."""
   opts = calibration_record.get('options', {})
   for p, kind in calibration_record.get('structure', {}).items():
-    layer = _get(qmodel, p)
+    layer = module_at(qmodel, p)
     if kind == 'llm_int8':
       w = (jnp.zeros(layer.weight_shape, layer.w.get_value().dtype)
            if opts.get('outlier_weights', 'float') == 'float' else None)
-      _set(qmodel, p, llm_int8.LLMInt8Einsum(layer, opts.get('threshold', 6.0), w))
+      set_module_at(qmodel, p, llm_int8.LLMInt8Einsum(layer, opts.get('threshold', 6.0), w))
     elif kind == 'explicit_scale':
-      _set(qmodel, p, ScaledEinsum(layer, jnp.ones(EinsumView.of(layer).contracted_shape)))
+      s = jnp.ones(EinsumView.of(layer).contracted_shape)
+      set_module_at(qmodel, p, ScaledEinsum(layer, s))
     else:
       raise ValueError(f'rebuild_structure: unknown module kind {kind!r} for {p!r}.')
   return qmodel

@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 from qjax.algorithms import llm_int8_matmul
-from qjax.algorithms.apply import (METHODS, _block_fwd, apply_method, fold_scales,
-                                   rebuild_structure, stage_keys)
+from qjax.algorithms.apply import METHODS, _block_fwd, apply_method, rebuild_structure
+from qjax.algorithms.stages import fold_scales, stage_keys
 from qjax.algorithms.awq_core import awq_scales
 from qjax.algorithms.calibrate import collect_stats
 from qjax.algorithms.llm_int8 import LLMInt8Einsum
