@@ -134,6 +134,20 @@ def source_type_table(rows) -> str:
   return '\n'.join(lines)
 
 
+def plot(rows, path: str) -> None:
+  """WikiText-2 ppl vs the quantized layers' bytes (the float head is the same everywhere)."""
+  ok = [r for r in rows[1:] if r.get('status') == 'ok']
+  if not ok:
+    return
+  pts = [dict(r, qbytes=r['quantized_layer_bytes'][1],
+              method=r['method'] + (' W8A8' if r['name'].endswith('-aint8') else ''))
+         for r in ok]
+  base = {'ppl': rows[0]['ppl'], 'qbytes': ok[0]['quantized_layer_bytes'][0]}
+  qeval.plot_ppl_vs_bytes(pts, path, title='Gemma 3 270M PTQ (WikiText-2 valid)',
+                          baseline=base, x_key='qbytes', log_y=True,
+                          x_label='quantized layers, MB (+ the 671 MB float tied embedding)')
+
+
 def main(argv):
   del argv
   c = _CONFIG.value
@@ -172,6 +186,7 @@ def main(argv):
     f.write(table + '\n')
   with open(os.path.join(c.out_dir, 'by_source_type.md'), 'w') as f:
     f.write(source_type_table(rows) + '\n')
+  plot(rows, os.path.join(c.out_dir, 'ppl_vs_quantized_bytes.png'))
   print('\n' + table + '\n\n' + source_type_table(rows))
   print(f'\ntotal {time.perf_counter() - t0:.0f} s; load average now {os.getloadavg()}')
 

@@ -33,14 +33,19 @@ def markdown_table(rows: Sequence[dict], columns=COLUMNS) -> str:
 
 
 def plot_ppl_vs_bytes(rows: Sequence[dict], path: str, title: str = '',
-                      baseline: dict | None = None) -> str:
+                      baseline: dict | None = None, x_key: str = 'weight_bytes',
+                      x_label: str = 'weight bytes (MB, as stored on the device)',
+                      log_y: bool = False) -> str:
   """Perplexity vs weight bytes, one marker per weight format, one colour per method.
 
   Args:
-    rows: results with 'ppl', 'weight_bytes', 'weight_format' and optionally 'method'.
+    rows: results with 'ppl', `x_key`, 'weight_format' and optionally 'method'.
     path: PNG path to write.
     title: plot title.
-    baseline: optional {'ppl': .., 'weight_bytes': ..} of the float model (drawn as a star).
+    baseline: optional {'ppl': .., x_key: ..} of the float model (drawn as a star).
+    x_key: the row field on the x axis, in bytes (plotted in MB).
+    x_label: its axis label.
+    log_y: a logarithmic perplexity axis (for sweeps whose worst points explode).
 
   Returns:
     The path written.
@@ -56,17 +61,19 @@ def plot_ppl_vs_bytes(rows: Sequence[dict], path: str, title: str = '',
   methods = sorted({r.get('method', '') for r in ok})
   colors = plt.rcParams['axes.prop_cycle'].by_key()['color']
   for mi, m in enumerate(methods):
-    pts = sorted((r for r in ok if r.get('method', '') == m), key=lambda r: r['weight_bytes'])
-    ax.plot([r['weight_bytes'] / 1e6 for r in pts], [r['ppl'] for r in pts], '-',
+    pts = sorted((r for r in ok if r.get('method', '') == m), key=lambda r: r[x_key])
+    ax.plot([r[x_key] / 1e6 for r in pts], [r['ppl'] for r in pts], '-',
             color=colors[mi % len(colors)], alpha=0.35)
     for r in pts:
-      ax.scatter(r['weight_bytes'] / 1e6, r['ppl'], color=colors[mi % len(colors)],
+      ax.scatter(r[x_key] / 1e6, r['ppl'], color=colors[mi % len(colors)],
                  marker=markers[fmts.index(r['weight_format']) % len(markers)], s=50,
                  label=f"{m} {r['weight_format']}".strip())
   if baseline:
-    ax.scatter(baseline['weight_bytes'] / 1e6, baseline['ppl'], marker='*', s=180,
+    ax.scatter(baseline[x_key] / 1e6, baseline['ppl'], marker='*', s=180,
                color='black', label='float')
-  ax.set_xlabel('weight bytes (MB, as stored on the device)')
+  if log_y:
+    ax.set_yscale('log')
+  ax.set_xlabel(x_label)
   ax.set_ylabel('validation perplexity')
   ax.set_title(title)
   ax.legend(fontsize=7, ncol=2)
