@@ -9,7 +9,9 @@ relative output error tr(dW^T H dW) / tr(W^T H W), H = 2 X^T X / n from the floa
 inputs of that layer on `--windows` 512-token WikiText-2 windows after the evaluated ones
 (experiments/gemma_ptq.py's calibration split). Prints, per GGUF source type, the mean of
 both errors for both methods and the fraction of layers where MSE lowers the weight error
-but raises the output error. Run time: ~5 min on 2 cores.
+but raises the output error. A last column checks NOTES.md's warning about the file's Q4_K
+tensors: the relative weight error of asymmetric int4 with groups of 32 (Q4_K's own block
+size), which should be near zero on them alone. Run time: ~5 min on 2 cores.
 """
 
 import collections
@@ -29,8 +31,8 @@ from qjax.algorithms.awq_core import output_error  # noqa: E402
 from qjax.algorithms.calibrate import (EinsumView, calibration_batches, collect_stats,  # noqa: E402
                                        forward)
 from qjax.checkpoints.gemma3 import load_gemma3_270m  # noqa: E402
-from qjax.core import dequantize, int_format, quantize  # noqa: E402
-from qjax.nn import einsum_layers  # noqa: E402
+from qjax.core import dequantize, int_format  # noqa: E402
+from qjax.nn import QuantPolicy, QuantRule, einsum_layers, quantize_model  # noqa: E402
 
 _WINDOWS = flags.DEFINE_integer('windows', 8, 'calibration windows of 512 tokens')
 _BITS = flags.DEFINE_integer('bits', 4, 'integer bits')
@@ -48,6 +50,11 @@ def main(argv):
   batches = calibration_batches(calib, model.config.vocab_size, model.config.max_len, 2)
   fmts = {m: int_format(_BITS.value, group_size=_GROUP.value, calibration=m)
           for m in ('absmax', 'mse')}
+  fmts['asym_g32'] = int_format(4, group_size=32, symmetric=False, calibration='minmax')
+  # The policy resolves each layer's channel and group axes; keep the codes, not float copies.
+  quantized = {m: quantize_model(model, QuantPolicy((QuantRule('embed', exempt=True),
+                                                     QuantRule('.*', f))))[0]
+               for m, f in fmts.items()}
   rows = []
   xs = [forward(model, _embed_fwd, b) for b in batches]
   for i, block in enumerate(model.layers):
@@ -59,8 +66,9 @@ def main(argv):
       w2, h = view.to_2d(w), stats[p].hessian
       base = float(output_error(w2, h))
       r = {'path': f'layers/{i}/{p}', 'type': info['tensor_types'][f'layers/{i}/{p}/w']}
-      for m, fmt in fmts.items():
-        dw = dequantize(quantize(w, fmt), jnp.float32) - w
+      for m, qm in quantized.items():
+        qw = dict(einsum_layers(qm.layers[i]))[p].w.get_value()
+        dw = dequantize(qw, jnp.float32) - w
         r[f'w_{m}'] = float(jnp.linalg.norm(dw) / jnp.linalg.norm(w))
         r[f'out_{m}'] = float(output_error(view.to_2d(dw), h)) / base
       rows.append(r)
@@ -73,14 +81,15 @@ def main(argv):
   print(f'\nint{_BITS.value} g{_GROUP.value}, {calib.shape[0]} x 512 calibration tokens; '
         'relative errors (mean over layers)\n')
   print('| source type | layers | weight err absmax | weight err MSE | output err absmax | '
-        'output err MSE | MSE lower weight err, higher output err |')
-  print('|---|---|---|---|---|---|---|')
+        'output err MSE | MSE lower weight err, higher output err | weight err int4 asym g32 |')
+  print('|---|---|---|---|---|---|---|---|')
   for kind, rs in sorted(by.items()):
     mean = lambda k: np.mean([r[k] for r in rs])
     flip = np.mean([(r['w_mse'] < r['w_absmax']) and (r['out_mse'] > r['out_absmax'])
                     for r in rs])
     print(f"| {kind} | {len(rs)} | {mean('w_absmax'):.4f} | {mean('w_mse'):.4f} | "
-          f"{mean('out_absmax'):.4g} | {mean('out_mse'):.4g} | {flip:.2f} |")
+          f"{mean('out_absmax'):.4g} | {mean('out_mse'):.4g} | {flip:.2f} | "
+          f"{mean('w_asym_g32'):.4f} |")
   worst = sorted(rows, key=lambda r: r['out_mse'] / r['out_absmax'])[-5:]
   print('\nlayers where MSE hurts the output most (output err MSE / absmax):')
   for r in worst:
