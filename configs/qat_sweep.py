@@ -38,6 +38,10 @@ def qat_config() -> ml_collections.ConfigDict:
   q.weight_decay = 0.0
   q.clip_norm = 1.0
   q.learn_scales = True            # LSQ step sizes (+ zero points when asymmetric)
+  q.init = 'rtn'                   # start from this PTQ result: 'rtn', 'gptq' or 'awq'
+                                   # (calibrated on the config's calib set)
+  q.pact = 0.0                     # > 0: PACT clip [-a, a] of quantized activations, learned,
+                                   # initialised at a (needs quant.act='int8' or 'e4m3')
   q.kv = ''                        # KV cache format to train and serve with ('int8', 'int4',
                                    # 'fp8', 'fp8_e5m2'); '' = a float cache
   q.scale_lr = 1e-2                # their own lr (Adam, relative to their size: multi_transform)
@@ -54,6 +58,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.workdir = '/tmp/qat_base'      # a finished experiments/train.py run (the teacher, too)
   c.out_dir = 'results/qat_sweep'
   c.quant = quantize_config.quant_config()
+  c.calib = quantize_config.calib_config()     # for qat.init = 'gptq' / 'awq'
+  c.options = quantize_config.method_options()
   c.eval = quantize_config.eval_config()
   c.qat = qat_config()
   return c

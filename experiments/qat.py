@@ -96,8 +96,16 @@ def qat_point(ref: qexp.FloatReference, c, out_dir: str, base_hash: str, log=pri
                      f'{QAT_METHODS} (or "rtn" through experiments/quantize.py).')
   t0 = time.perf_counter()
   policy = qexp.make_policy(q)
-  model, _ = qtrain.prepare_qat(ref.model, policy, learn_scales=qc.learn_scales,
-                                kv=qc.kv or None)
+  start, init_record = ref.model, None
+  if qc.init != 'rtn':  # a calibrated PTQ result; its codes and scales seed the QAT model
+    if qc.init not in ('gptq', 'awq'):
+      raise ValueError(f"qat.init={qc.init!r} is unknown; use 'rtn', 'gptq' or 'awq'.")
+    ptq = q.copy_and_resolve_references()
+    ptq.method = qc.init
+    start, _, init_record, _ = qexp.quantize(ref, ptq, c.get('calib'), c.get('options'))
+  # Activations are fake-quantized as served when the policy quantizes them (W8A8).
+  model, _ = qtrain.prepare_qat(start, policy, learn_scales=qc.learn_scales,
+                                kv=qc.kv or None, act=q.act != 'none', pact=qc.pact or None)
   teacher = ref.model if q.method == 'qat+distill' else None
   stats = train_loop(model, ref.data, qc, ref.model.config.max_len, teacher, log)
   qmodel, report = qtrain.convert(model, policy)
@@ -121,14 +129,17 @@ def qat_point(ref: qexp.FloatReference, c, out_dir: str, base_hash: str, log=pri
          'unused_rules': [r.pattern for r in report.unused_rules], **stats,
          'learn_scales': bool(qc.learn_scales),
          'train_serve_max_abs_logit_diff': float(jnp.max(jnp.abs(fake_logits - exact_logits))),
-         'kv_cache_format': kv.name if kv else None, 'qat': qc.to_dict()}
+         'kv_cache_format': kv.name if kv else None, 'qat': qc.to_dict(),
+         'init': qc.init}
+  if init_record is not None:
+    row['init_calibration_tokens_sha256'] = init_record['data']['token_sha256']
   if kv:
     row['float_cache_ppl'] = qeval.perplexity(with_kv_format(qmodel, None), ref.windows,
                                               ref.e.batch)['ppl']
   row['bytes_ratio'] = row['weight_bytes'] / ref.bytes
   if qc.save:
     qckpt.save_quantized(out_dir, qmodel, policy, _record(ref, q, qc, report, policy, base_hash,
-                                                          row))
+                                                          row, init_record))
     loaded, _ = qckpt.load_quantized(out_dir)
     if not np.array_equal(np.asarray(qeval.logits(loaded, ref.ref_tokens)), np.asarray(qlogits)):
       raise RuntimeError(f'{out_dir}: the reloaded QAT model does not reproduce its logits.')
@@ -141,12 +152,17 @@ def qat_point(ref: qexp.FloatReference, c, out_dir: str, base_hash: str, log=pri
 def point_name(c) -> str:
   """The PTQ sweep's point name, with '-kv<fmt>' for a QAT point trained with a KV format."""
   name = qexp.point_name(c.quant)
-  if c.qat.kv and c.quant.method in QAT_METHODS:
-    name += f'-kv{c.qat.kv}'
+  if c.quant.method in QAT_METHODS:
+    if c.qat.get('init', 'rtn') != 'rtn':
+      name += f'-from{c.qat.init}'
+    if c.qat.get('pact', 0.0):
+      name += f'-pact{c.qat.pact:g}'
+    if c.qat.kv:
+      name += f'-kv{c.qat.kv}'
   return name
 
 
-def _record(ref, q, qc, report, policy, base_hash, row) -> dict:
+def _record(ref, q, qc, report, policy, base_hash, row, init_record=None) -> dict:
   """The conversion record of a QAT point (the PTQ record's fields, QAT's procedure)."""
   distill = q.method == 'qat+distill'
   kv = row['kv_cache_format']
@@ -169,7 +185,11 @@ def _record(ref, q, qc, report, policy, base_hash, row) -> dict:
                       f'{ref.model.config.max_len} tokens (seed {qc.seed}), lr {qc.lr}, '
                       f'scale lr {qc.scale_lr}' +
                       (f'; Hinton distillation from the float checkpoint, alpha {qc.alpha}, '
-                       f'T {qc.temperature}' if distill else '')},
+                       f'T {qc.temperature}' if distill else '') +
+                      (f'; started from a {qc.init} PTQ result (initialisation)' if init_record
+                       else '; started from the float model, scales by RTN calibration') +
+                      (f'; PACT clips initialised at {qc.pact:g}' if qc.pact else ''),
+                      'initialisation': init_record},
       'compute_dtype': ref.model.config.dtype,
       'accumulation_dtype': 'int32 for integer dots, float32 otherwise',
       'compute_path': policy.path,

@@ -98,3 +98,25 @@ def test_kv_qat_point_serves_and_records_its_cache_format(trained, tmp_path):
   record = json.load(open(os.path.join(kv['out_dir'], 'conversion_record.json')))
   assert record['kv_cache_format'].startswith('int4-ch012 (quantized on write')
   assert kv_format(load_quantized(kv['out_dir'])[0]).name == 'int4-ch012'
+
+
+def test_qat_point_from_gptq_with_pact(trained, tmp_path):
+  """qat.init='gptq' starts QAT from a calibrated PTQ result; qat.pact learns W8A8 clips."""
+  from experiments import qat as qat_exp  # pylint: disable=g-import-not-at-top
+  c = _config(trained, tmp_path)
+  c.qat.init, c.qat.pact = 'gptq', 4.0
+  c.calib.num_sequences, c.calib.seq_len, c.calib.batch_size = 4, 16, 4
+  points = [{'quant.bits': 4, 'quant.group_size': 32, 'quant.act': 'int8',
+             'quant.method': 'qat'}]
+  rows = qat_exp.run_qat_sweep(c, points, log=lambda s: None)
+  r = rows[-1]
+  assert r['status'] == 'ok', r.get('error')
+  assert r['name'] == 'qat-int4-g32-aint8-fromgptq-pact4' and r['reload_bit_identical']
+  record = json.load(open(os.path.join(r['out_dir'], 'conversion_record.json')))
+  init = record['calibration']['initialisation']
+  assert init['method'] == 'gptq' and init['data']['num_sequences'] == 4
+  assert r['init_calibration_tokens_sha256'] == init['data']['token_sha256']
+  assert record['act_clip_paths']  # PACT clips saved and rebuilt on load
+  c.qat.init = 'hqq'
+  bad = qat_exp.run_qat_sweep(c, points, log=lambda s: None)[-1]
+  assert bad['status'] == 'error' and "qat.init='hqq'" in bad['error']
