@@ -10,7 +10,7 @@ Command (train the model first, ~2 min on 2 cores):
 Every point is an experiments/quantize.py point (`quant.method` set by the sweep): saved
 with its conversion record (calibration set hash, procedure, per-layer errors, folds),
 reloaded and checked bit for bit. Resumable: rerunning skips finished points.
-Expected run time: 4 min on an idle 2-core CPU (each point quantizes twice: the second,
+Expected run time: 2.5 min on an idle 2-core CPU (each point quantizes twice: the second,
   warm, time is the algorithm's own cost; the first includes XLA compiles).
 Expected metric (measured: float ppl 6.785): Δppl int3 per-channel RTN +0.63, GPTQ +0.10,
   AWQ +0.26 (the papers' ordering); int4 +0.14 / +0.016 / +0.043; W8A8 plain +2.7e-3,
