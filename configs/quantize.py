@@ -29,6 +29,8 @@ def quant_config() -> ml_collections.ConfigDict:
   q.act = 'none'                   # 'none' (weight-only), 'int8' (W8A8) or 'e4m3'
   q.exempt = 'embed|lm_head'       # regex of module paths kept in float
   q.path = 'auto'                  # qeinsum compute path (see qjax/core/qdot.py)
+  q.kv = ''                        # KV cache format to serve with: '' float, or 'int8', 'int4',
+                                   # 'fp8', 'fp8_e5m2' (qjax.nn.kvcache.KV_FORMATS)
   return q
 
 

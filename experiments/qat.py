@@ -17,8 +17,8 @@ With --config.qat.kv=int4 (or int8, fp8, fp8_e5m2) QAT points also train with ke
 values fake-quantized as that KV cache stores them; the converted model keeps the format, so
 its perplexity (a full forward) is the perplexity under that cache, greedy generation runs
 through that cache, the record's kv_cache_format names it, and the row adds
-float_cache_ppl (the same model with a float cache). Such points are named '...-kv<fmt>'
-and have no `recovered`: the RTN points they would be compared with use a float cache.
+float_cache_ppl (the same model with a float cache). RTN points are served with the same
+cache (`quant.kv`), so `recovered` compares like with like; all are named '...-kv<fmt>'.
 """
 
 import json
@@ -105,7 +105,8 @@ def qat_point(ref: qexp.FloatReference, c, out_dir: str, base_hash: str, log=pri
     start, _, init_record, _ = qexp.quantize(ref, ptq, c.get('calib'), c.get('options'))
   # Activations are fake-quantized as served when the policy quantizes them (W8A8).
   model, _ = qtrain.prepare_qat(start, policy, learn_scales=qc.learn_scales,
-                                kv=qc.kv or None, act=q.act != 'none', pact=qc.pact or None)
+                                kv=kv_name(c) or None, act=q.act != 'none',
+                                pact=qc.pact or None)
   teacher = ref.model if q.method == 'qat+distill' else None
   stats = train_loop(model, ref.data, qc, ref.model.config.max_len, teacher, log)
   qmodel, report = qtrain.convert(model, policy)
@@ -149,17 +150,22 @@ def qat_point(ref: qexp.FloatReference, c, out_dir: str, base_hash: str, log=pri
   return row
 
 
+def kv_name(c) -> str:
+  """The KV cache format a point serves with ('' float); QAT points also train with it."""
+  return c.qat.kv or c.quant.get('kv', '')
+
+
 def point_name(c) -> str:
-  """The PTQ sweep's point name, with '-kv<fmt>' for a QAT point trained with a KV format."""
-  name = qexp.point_name(c.quant)
+  """The PTQ sweep's point name, plus the QAT start / PACT, and '-kv<fmt>' for a KV format."""
+  q = c.quant.copy_and_resolve_references()
+  q.kv = ''
+  name = qexp.point_name(q)
   if c.quant.method in QAT_METHODS:
     if c.qat.get('init', 'rtn') != 'rtn':
       name += f'-from{c.qat.init}'
     if c.qat.get('pact', 0.0):
       name += f'-pact{c.qat.pact:g}'
-    if c.qat.kv:
-      name += f'-kv{c.qat.kv}'
-  return name
+  return name + (f'-kv{kv_name(c)}' if kv_name(c) else '')
 
 
 def _record(ref, q, qc, report, policy, base_hash, row, init_record=None) -> dict:
@@ -207,8 +213,8 @@ def recovered(rows: list[dict], float_ppl: float) -> list[dict]:
   """Rows with `recovered`: (ppl_rtn - ppl) / (ppl_rtn - ppl_float) against the RTN point.
 
   Left empty where RTN lost under 1% of the float perplexity: the ratio of two tiny
-  differences says nothing; and for points with a quantized KV cache (RTN points have a float
-  one: the two losses differ in kind).
+  differences says nothing. A point with a quantized KV cache is compared with the RTN point
+  served with the same cache format.
   """
   rtn = {(r['weight_format'], r.get('kv_cache_format')): r['ppl'] for r in rows
          if r.get('method') == 'rtn' and r.get('status') == 'ok'}
@@ -242,8 +248,10 @@ def run_qat_sweep(config, points: list[dict], model=None, data=None, log=print) 
   def run_point(name, ov):
     c = sweep_lib.apply_overrides(config, ov)
     out = os.path.join(config.out_dir, 'points', name)
-    if c.quant.method == 'rtn':
-      return qexp.quantize_and_evaluate(ref, c.quant, out, base_hash)
+    if c.quant.method == 'rtn':  # served with the KV format the QAT points train with
+      q = c.quant.copy_and_resolve_references()
+      q.kv = kv_name(c)
+      return qexp.quantize_and_evaluate(ref, q, out, base_hash)
     return qat_point(ref, c, out, base_hash, log)
 
   rows = qeval.run_sweep(named, run_point, os.path.join(config.out_dir, 'results.jsonl'),

@@ -28,7 +28,7 @@ from qjax import checkpoints as qckpt  # noqa: E402
 from qjax import eval as qeval  # noqa: E402
 from qjax.core import QFormat  # noqa: E402
 from qjax.algorithms import apply_method  # noqa: E402
-from qjax.nn import QuantPolicy, QuantRule, weight_bytes  # noqa: E402
+from qjax.nn import QuantPolicy, QuantRule, set_kv_format, weight_bytes  # noqa: E402
 from qjax.train import data as qdata  # noqa: E402
 
 from experiments import train as train_lib  # noqa: E402
@@ -61,7 +61,8 @@ def format_label(q) -> str:
 
 
 def point_name(q) -> str:
-  return f'{q.method}-{format_label(q)}' + ('' if q.act == 'none' else f'-a{q.act}')
+  return (f'{q.method}-{format_label(q)}' + ('' if q.act == 'none' else f'-a{q.act}') +
+          (f'-kv{q.kv}' if q.get('kv') else ''))
 
 
 def calibration_set(calib, data) -> tuple[np.ndarray, str]:
@@ -149,6 +150,9 @@ def quantize_and_evaluate(ref: FloatReference, q, out_dir: str, base_hash: str,
   t0 = time.perf_counter()
   qmodel, report, calibration, policy = quantize(ref, q, calib, options)
   t_quant = time.perf_counter() - t0
+  # A quantized KV cache: evaluation runs through it (the full forward quantizes K/V as the
+  # cache stores them; greedy generation fills a cache of that format).
+  kv = set_kv_format(qmodel, q.get('kv') or None, 'quant.kv')
   warm = None
   if warm_repeat:
     t1 = time.perf_counter()
@@ -164,7 +168,8 @@ def quantize_and_evaluate(ref: FloatReference, q, out_dir: str, base_hash: str,
          **qeval.greedy_agreement(ref.model, qmodel, ref.prompts, ref.e.greedy_tokens),
          'weight_bytes': weight_bytes(qmodel)['total'], 'float_weight_bytes': ref.bytes,
          'quantized_layer_bytes': list(report.quantized_bytes()),
-         'quantize_seconds': t_quant, 'unused_rules': [r.pattern for r in report.unused_rules]}
+         'quantize_seconds': t_quant, 'unused_rules': [r.pattern for r in report.unused_rules],
+         'kv_cache_format': kv.name if kv else None}
   row['bytes_ratio'] = row['weight_bytes'] / ref.bytes
   q_before, q_after = row['quantized_layer_bytes']
   row['quantized_bytes_ratio'] = q_after / q_before if q_before else None
@@ -195,7 +200,8 @@ def quantize_and_evaluate(ref: FloatReference, q, out_dir: str, base_hash: str,
       'compute_dtype': ref.model.config.dtype,
       'accumulation_dtype': 'int32 for integer dots, float32 otherwise',
       'compute_path': {'policy': policy.path, 'resolved': resolved_path(q, policy)},
-      'kv_cache_format': f'{ref.model.config.dtype} (not quantized)',
+      'kv_cache_format': (f'{kv.name} (quantized on write, per token and kv head)' if kv else
+                          f'{ref.model.config.dtype} (not quantized)'),
       'adapter_merge_status': 'no adapters',
       'evaluation': {k: row[k] for k in ('ppl', 'float_ppl', 'max_abs_logit_diff', 'kl',
                                          'greedy_agreement', 'weight_bytes', 'int8_fraction')

@@ -142,3 +142,17 @@ def test_method_sweep_names_points_and_keeps_going(trained_tiny, tmp_path):
   rec = json.load(open(os.path.join(c.out_dir, 'points', 'gptq-int3-channel',
                                     'conversion_record.json')))
   assert rec['calibration']['data']['num_sequences'] == 4
+
+
+def test_ptq_point_served_with_a_quantized_kv_cache(ref, tmp_path):
+  out = str(tmp_path / 'kv')
+  row = qexp.quantize_and_evaluate(ref, _quant(bits=8, kv='int4'), out, 'base')
+  plain = qexp.quantize_and_evaluate(ref, _quant(bits=8), str(tmp_path / 'plain'), 'base',
+                                     reload_check=False)
+  assert row['name'] == 'rtn-int8-channel-kvint4' and row['kv_cache_format'] == 'int4-ch012'
+  assert plain['kv_cache_format'] is None and row['ppl'] != plain['ppl']
+  assert row['reload_bit_identical']  # the KV format comes back from the record
+  record = qckpt.read_record(out)
+  assert record['kv_cache_format'].startswith('int4-ch012')
+  with pytest.raises(ValueError, match="quant.kv.*'int3'"):
+    qexp.quantize_and_evaluate(ref, _quant(bits=8, kv='int3'), str(tmp_path / 'bad'), 'base')

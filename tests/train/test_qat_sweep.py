@@ -89,11 +89,12 @@ def test_kv_qat_point_serves_and_records_its_cache_format(trained, tmp_path):
   c.qat.kv = 'int4'
   points = [{'quant.bits': 8, 'quant.group_size': 32, 'quant.method': m} for m in ('rtn', 'qat')]
   rows = qat_exp.run_qat_sweep(c, points, log=lambda s: None)
-  assert [r['name'] for r in rows] == ['float', 'rtn-int8-g32', 'qat-int8-g32-kvint4']
+  assert [r['name'] for r in rows] == ['float', 'rtn-int8-g32-kvint4', 'qat-int8-g32-kvint4']
   assert all(r['status'] == 'ok' for r in rows), [r.get('error') for r in rows]
   kv = rows[2]
-  assert kv['kv_cache_format'] == 'int4-ch012' and rows[1].get('kv_cache_format') is None
-  assert kv['float_cache_ppl'] != kv['ppl'] and kv.get('recovered') is None
+  # The RTN point is served with the same int4 cache, so the QAT point is compared with it.
+  assert kv['kv_cache_format'] == rows[1]['kv_cache_format'] == 'int4-ch012'
+  assert kv['float_cache_ppl'] != kv['ppl'] and kv['rtn_ppl'] == rows[1]['ppl']
   assert kv['reload_bit_identical']
   record = json.load(open(os.path.join(kv['out_dir'], 'conversion_record.json')))
   assert record['kv_cache_format'].startswith('int4-ch012 (quantized on write')
