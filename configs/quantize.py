@@ -51,15 +51,14 @@ def calib_config() -> ml_collections.ConfigDict:
 
 
 def method_options() -> ml_collections.ConfigDict:
-  """Per-method options of `qjax.algorithms.apply_method` (their documented defaults)."""
-  o = ml_collections.ConfigDict()
-  o.rtn = ml_collections.ConfigDict()
-  o.gptq = ml_collections.ConfigDict({'damp': 0.01, 'block_size': 128, 'act_order': False})
-  o.awq = ml_collections.ConfigDict({'alpha_grid': 20, 'clip_search': True, 'clip_grid': 20,
-                                     'max_shrink': 0.5, 'fold_linear': True})
-  o.smoothquant = ml_collections.ConfigDict({'alpha': 0.5, 'fold_linear': True})
-  o.llm_int8 = ml_collections.ConfigDict({'threshold': 6.0, 'outlier_weights': 'float'})
-  return o
+  """Per-method options of `qjax.algorithms.apply_method`, at their defaults.
+
+  Options whose default is None (AWQ's fixed `alpha`: None searches the grid) are left out:
+  a config field cannot change type later.
+  """
+  from qjax.algorithms.apply import METHOD_OPTIONS  # pylint: disable=g-import-not-at-top
+  return ml_collections.ConfigDict(
+      {m: {k: v for k, v in opts.items() if v is not None} for m, opts in METHOD_OPTIONS.items()})
 
 
 def eval_config() -> ml_collections.ConfigDict:
