@@ -12,28 +12,24 @@ import json
 import math
 import os
 import pathlib
+import sys
 import time
 
-from absl import app
-from ml_collections import config_flags
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from qjax.checkpoints.gemma3 import load_gemma3_270m
-from qjax.core import int_format
-from qjax.eval import perplexity
-from qjax.nn import QuantPolicy, QuantRule, quantize_model, weight_bytes
+from absl import app  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments.gemma_ptq import FILES, bos_windows, data_root  # noqa: E402
+from qjax.checkpoints.gemma3 import load_gemma3_270m  # noqa: E402
+from qjax.core import int_format  # noqa: E402
+from qjax.eval import perplexity  # noqa: E402
+from qjax.nn import QuantPolicy, QuantRule, quantize_model, weight_bytes  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/gemma3_270m_eval.py')
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FILES = {'tinyshakespeare': 'tinyshakespeare/input.txt', 'wikitext2_valid': 'wikitext-2/valid.txt'}
 FORMATS = {'int8_channel': int_format(8), 'int4_g128': int_format(4, group_size=128)}
-
-
-def data_root() -> pathlib.Path:
-  for cand in (ROOT.parent / 'shared' / 'data', pathlib.Path('/work/shared/data')):
-    if cand.is_dir():
-      return cand
-  raise FileNotFoundError('../shared/data not found beside the repository')
 
 
 def windows(ids: list[int], bos: int, window: int, n: int, mode: str) -> np.ndarray:
@@ -43,13 +39,12 @@ def windows(ids: list[int], bos: int, window: int, n: int, mode: str) -> np.ndar
   if mode == 'prepend':
     body = ids[1:]
     rows = [[bos] + body[i * (window - 1):(i + 1) * (window - 1)] for i in range(n)]
-  elif mode == 'replace':
-    rows = [[bos] + ids[i * window + 1:(i + 1) * window] for i in range(n)]
-  else:
-    raise ValueError(f"windows: mode={mode!r}; use 'prepend' or 'replace'.")
-  if any(len(r) != window for r in rows):
-    raise ValueError(f'windows: the file has fewer than {n} windows of {window} tokens.')
-  return np.asarray(rows, np.int32)
+    if any(len(r) != window for r in rows):
+      raise ValueError(f'windows: the file has fewer than {n} windows of {window} tokens.')
+    return np.asarray(rows, np.int32)
+  if mode == 'replace':
+    return bos_windows(np.asarray(ids, np.int32), bos, window, n)
+  raise ValueError(f"windows: mode={mode!r}; use 'prepend' or 'replace'.")
 
 
 def main(_):

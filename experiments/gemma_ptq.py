@@ -16,6 +16,7 @@ import os
 import pathlib
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,6 +30,7 @@ from qjax.checkpoints.gemma3 import load_gemma3_270m  # noqa: E402
 from qjax.core import QArray, dequantize  # noqa: E402
 from qjax.eval.report import COLUMNS  # noqa: E402
 from qjax.nn import einsum_layers  # noqa: E402
+from qjax.train import data as qdata  # noqa: E402
 
 from experiments import quantize as qexp  # noqa: E402
 from experiments import sweep as sweep_lib  # noqa: E402
@@ -56,14 +58,10 @@ class GemmaTokenizer:
 
 
 @dataclasses.dataclass
-class GemmaData:
-  """WikiText-2 valid cut in two: the evaluated windows, and the rest for calibration."""
-  train: np.ndarray      # calibration split: tokens after the evaluated windows
-  valid: np.ndarray      # the evaluated windows' tokens
-  source: str
-  sha256: str
-  tokenizer: GemmaTokenizer
-  window_bos: int        # calibration windows start with BOS, as evaluation windows do
+class GemmaData(qdata.TextData):
+  """WikiText-2 valid cut in two: `valid` the evaluated windows' tokens, `train` the tokens
+  after them (the calibration split); calibration windows start with BOS, as evaluation ones do."""
+  window_bos: Optional[int] = None
 
 
 def bos_windows(ids: np.ndarray, bos: int, window: int, n: int) -> np.ndarray:
