@@ -38,3 +38,15 @@ def trained_tiny(tmp_path_factory):
   wd = tmp_path_factory.mktemp('tiny_run')
   train_lib.train(tiny_config(wd), str(wd))
   return wd
+
+
+def tiny_reference(workdir, windows, ref_batch, greedy_prompts, prompt_len, greedy_tokens):
+  """experiments/quantize.py's FloatReference of a finished tiny run, with a small eval."""
+  from configs import quantize as quantize_config  # pylint: disable=g-import-not-at-top
+  from experiments import quantize as qexp  # pylint: disable=g-import-not-at-top
+  from experiments import train as train_lib  # pylint: disable=g-import-not-at-top
+  model, _, data = train_lib.load_trained(str(workdir))
+  e = quantize_config.eval_config()
+  e.windows, e.ref_batch, e.greedy_prompts = windows, ref_batch, greedy_prompts
+  e.prompt_len, e.greedy_tokens = prompt_len, greedy_tokens
+  return qexp.FloatReference(model, data, e)

@@ -1,6 +1,5 @@
 """The quickstart notebook executes end to end with tiny settings."""
 
-import os
 
 import nbformat
 from nbclient import NotebookClient

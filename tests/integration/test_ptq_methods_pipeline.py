@@ -7,13 +7,12 @@ import os
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import tiny_reference
 
 from configs import ptq_algorithms
 from configs import quantize as quantize_config
 from experiments import quantize as qexp
 from experiments import sweep as sweep_lib
-from experiments import train as train_lib
 from qjax import checkpoints as qckpt
 from qjax.algorithms.apply import METHOD_OPTIONS
 from qjax.train import data as qdata
@@ -21,10 +20,7 @@ from qjax.train import data as qdata
 
 @pytest.fixture(scope='module')
 def ref(trained_tiny):
-  model, _, data = train_lib.load_trained(str(trained_tiny))
-  e = quantize_config.eval_config()
-  e.windows, e.ref_batch, e.greedy_prompts, e.prompt_len, e.greedy_tokens = 4, 2, 2, 8, 4
-  return qexp.FloatReference(model, data, e)
+  return tiny_reference(trained_tiny, 4, 2, 2, 8, 4)
 
 
 def _calib(**kw):

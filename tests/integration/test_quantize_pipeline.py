@@ -1,13 +1,12 @@
 """experiments/quantize.py: PTQ, evaluation, conversion record, verified reload; bad input."""
 
-import json
 import os
 
 import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from conftest import tiny_config, tiny_reference
 
 from configs import quantize as quantize_config
 from experiments import quantize as qexp
@@ -19,10 +18,7 @@ from qjax.nn import Transformer, quantize_model
 
 @pytest.fixture(scope='module')
 def ref(trained_tiny):
-  model, config, data = train_lib.load_trained(str(trained_tiny))
-  e = quantize_config.eval_config()
-  e.windows, e.ref_batch, e.greedy_prompts, e.prompt_len, e.greedy_tokens = 6, 2, 2, 8, 8
-  return qexp.FloatReference(model, data, e)
+  return tiny_reference(trained_tiny, 6, 2, 2, 8, 8)
 
 
 def _quant(**kw):

@@ -1,6 +1,5 @@
 """Sweeps: resumable, keep going past a failing point, table and plot written."""
 
-import json
 import os
 
 import pytest
