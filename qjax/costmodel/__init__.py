@@ -11,7 +11,8 @@ Pure Python: no jax, nothing else from qjax.
 """
 
 from qjax.costmodel._chips import CHIPS, Chip, critical_batch, get_chip
-from qjax.costmodel._collectives import INTERCONNECTS, Collective, group_bandwidth
+from qjax.costmodel._collectives import (INTERCONNECTS, Collective, collective_seconds,
+                                         group_bandwidth, layer_collectives)
 from qjax.costmodel._formulas import (comm_1d_ws, comm_2d_ws, comm_2d_ws_optimal,
                                       comm_weight_gathered, model_flops_utilization,
                                       optimal_2d_x, optimal_gather_n)
@@ -28,8 +29,8 @@ __all__ = [
     'ATTN_LAYOUTS', 'CHIPS', 'COMBINE_RULES', 'Chip', 'Collective', 'Efficiency', 'Estimate',
     'FFN_LAYOUTS', 'INTERCONNECTS', 'LayerCost', 'Layout', 'MODELS', 'Memory', 'Mesh',
     'ModelShape', 'PHASES', 'PaperRow', 'Plan', 'ShardPlan', 'TABLE1', 'TABLE2', 'Workload',
-    'all_layouts', 'as_layout', 'as_mesh', 'comm_1d_ws', 'comm_2d_ws', 'comm_2d_ws_optimal',
+    'all_layouts', 'as_layout', 'as_mesh', 'collective_seconds', 'comm_1d_ws', 'comm_2d_ws', 'comm_2d_ws_optimal',
     'comm_weight_gathered', 'critical_batch', 'estimate', 'get_chip', 'get_model',
-    'group_bandwidth', 'max_context_len', 'mesh_factorizations', 'model_flops_utilization',
+    'group_bandwidth', 'layer_collectives', 'max_context_len', 'mesh_factorizations', 'model_flops_utilization',
     'optimal_2d_x', 'optimal_gather_n', 'plan', 'shard_plan',
 ]

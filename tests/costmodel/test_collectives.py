@@ -3,7 +3,6 @@
 import pytest
 
 from qjax import costmodel
-from qjax.costmodel import _collectives
 
 V4, H200 = costmodel.get_chip('tpu_v4'), costmodel.get_chip('h200')
 CUBE = costmodel.Mesh(4, 4, 4)
@@ -28,7 +27,7 @@ def test_gpu_groups_leaving_the_nvlink_domain_use_scaleout_bandwidth():
 
 def _seconds(kind, nbytes, axes, chip=V4, mesh=CUBE, interconnect='all_links'):
   c = costmodel.Collective(kind, nbytes, axes, 'test')
-  return _collectives.collective_seconds(c, chip, mesh, interconnect)
+  return costmodel.collective_seconds(c, chip, mesh, interconnect)
 
 
 def test_gather_and_scatter_keep_the_k_minus_one_over_k_factor():

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from qjax import costmodel
-from qjax.costmodel import _collectives
 
 E, F = 18432, 73728  # PaLM 540B, F = 4E
 
@@ -78,8 +77,7 @@ def test_estimator_collectives_reduce_to_the_paper_formulas():
   for ffn in ('1d_ws', '2d_ws', 'wg_xy'):
     layout = costmodel.Layout(ffn, 'mq_heads')
     plan = costmodel.shard_plan(model, mesh, layout, batch=t)
-    volume[ffn] = sum(c.nbytes for c in _collectives.layer_collectives(plan, mesh, layout, t,
-                                                                       1, 1))
+    volume[ffn] = sum(c.nbytes for c in costmodel.layer_collectives(plan, mesh, layout, t, 1, 1))
   assert volume['1d_ws'] == costmodel.comm_1d_ws(t, 1, 1024)
   assert volume['2d_ws'] == pytest.approx(
       costmodel.comm_2d_ws(t, 1, 1024, 4096, 4, 16) + 2 * t * q / 16 + t * kv)
