@@ -18,7 +18,7 @@ install-test: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 
 demo: install
-	XLA_FLAGS= $(BIN)/python experiments/demo.py --config=configs/demo.py
+	XLA_FLAGS= $(BIN)/python -m experiments.demo --config=configs/demo.py
 
 # --dist loadscope: one worker runs a whole module, so the Gemma model loads once.
 test: install-test

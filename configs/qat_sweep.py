@@ -9,9 +9,9 @@ from the float model restored from the checkpoint)}: 36 points, appended to
 format (points named '...-kvint4'; see experiments/qat.py).
 
 Command (base model first, ~2-4 minutes):
-  XLA_FLAGS= .venv/bin/python experiments/train.py --config=configs/tiny_lm.py \
-      --config.workdir=/tmp/qat_base --config.data.source=/work/shared/data/tinyshakespeare/input.txt
-  XLA_FLAGS= .venv/bin/python experiments/qat.py --config=configs/qat_sweep.py \
+  XLA_FLAGS= .venv/bin/python -m experiments.train --config=configs/tiny_lm.py \
+      --config.workdir=/tmp/qat_base --config.data.source=qjax/data/corpora/tinyshakespeare/input.txt
+  XLA_FLAGS= .venv/bin/python -m experiments.qat --config=configs/qat_sweep.py \
       --config.workdir=/tmp/qat_base --config.out_dir=/tmp/qat_sweep  [--config.qat.steps=200]
 Expected run time: ~10 minutes on an idle 2-core CPU (24 QAT points of 40 steps, compiles
   dominate; 14 minutes measured with the machine shared, load ~6).

@@ -1,7 +1,7 @@
 """PTQ of a trained run (RTN, GPTQ, AWQ, SmoothQuant, LLM.int8()), evaluated against float.
 
 Command:
-  .venv/bin/python experiments/quantize.py --config=configs/quantize.py \
+  .venv/bin/python -m experiments.quantize --config=configs/quantize.py \
       --config.workdir=results/tiny_lm --config.quant.bits=4 --config.quant.group_size=128
   ... --config.quant.method=gptq --config.calib.num_sequences=64   (calibrated methods)
 Expected run time: ~20 s on a 2-core CPU for the tiny_lm model (RTN; GPTQ/AWQ ~1 min).

@@ -1,6 +1,6 @@
 r"""The demo (`make demo`): train on the embedded corpus, then a PTQ sweep, then the table.
 
-  python experiments/demo.py --config=configs/demo.py
+  python -m experiments.demo --config=configs/demo.py
 
 Everything lands in config.out_dir (results/demo/): train/ (checkpoints, metrics.jsonl),
 points/<name>/ (quantized model + conversion_record.json), results.jsonl, table.md,

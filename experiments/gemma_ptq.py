@@ -1,6 +1,6 @@
 r"""The real-model PTQ sweep: Gemma 3 270M, every method, evaluated against its float base.
 
-  XLA_FLAGS= python experiments/gemma_ptq.py --config=configs/gemma3_270m_ptq.py
+  XLA_FLAGS= python -m experiments.gemma_ptq --config=configs/gemma3_270m_ptq.py
 
 The config's docstring states the points, the evaluation protocol and the calibration set.
 Each point runs through experiments/quantize.py's `quantize_and_evaluate` (conversion record,

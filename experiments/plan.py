@@ -1,7 +1,7 @@
 r"""Plan transformer inference with the analytic cost model (Pope et al. 2022).
 
-  python experiments/plan.py --config=configs/plan_palm540b.py
-  python experiments/plan.py --config=configs/plan_gemma3_h200.py --config.n_chips=8
+  python -m experiments.plan --config=configs/plan_palm540b.py
+  python -m experiments.plan --config=configs/plan_gemma3_h200.py --config.n_chips=8
 
 For each phase (prefill, decode) and each layout at its best mesh, prints the per-step
 compute / weight-load / KV-load / communication times, the step and total latency, MFU,

@@ -1,6 +1,6 @@
 r"""Quantization-aware training and distillation of a trained run, and the QAT sweep.
 
-  python experiments/qat.py --config=configs/qat_sweep.py --config.workdir=/tmp/qat_base \
+  python -m experiments.qat --config=configs/qat_sweep.py --config.workdir=/tmp/qat_base \
       --config.out_dir=/tmp/qat_sweep [--config.qat.steps=200]
 
 Runs the config's `sweep()` (points override e.g. quant.bits, quant.group_size and

@@ -1,6 +1,6 @@
 r"""Post-training quantization of a trained run, with evidence.
 
-  python experiments/quantize.py --config=configs/quantize.py --config.workdir=results/tiny_lm \
+  python -m experiments.quantize --config=configs/quantize.py --config.workdir=results/tiny_lm \
       --config.quant.bits=4 --config.quant.group_size=128 [--config.quant.method=gptq]
 
 Loads the latest checkpoint, quantizes through a QuantPolicy with `quant.method` (RTN, or a

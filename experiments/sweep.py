@@ -1,6 +1,6 @@
 r"""Run a config's PTQ sweep on a trained model; resumable, keeps going past failures.
 
-  python experiments/sweep.py --config=configs/demo.py
+  python -m experiments.sweep --config=configs/demo.py
 
 The config file declares `sweep()` returning a list of override dicts (e.g.
 {'quant.bits': 4, 'quant.group_size': 128}); each point quantizes the trained model in

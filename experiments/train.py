@@ -1,6 +1,6 @@
 r"""Train a small language model: config -> data -> model -> optax loop -> Orbax checkpoints.
 
-  python experiments/train.py --config=configs/tiny_lm.py --config.workdir=/tmp/lm \
+  python -m experiments.train --config=configs/tiny_lm.py --config.workdir=/tmp/lm \
       --config.train.steps=200
 
 Killing it and running the same command again resumes from the latest checkpoint (the
