@@ -31,7 +31,7 @@ test-reference: install-test
 	$(BIN)/python -m pytest tests/checkpoints -q -n 2 --dist loadscope
 
 bench: install
-	XLA_FLAGS= $(BIN)/python benchmarks/qdot_bench.py
+	XLA_FLAGS= $(BIN)/python -m benchmarks.qdot_bench
 
 clean:
 	rm -rf results/ .pytest_cache

@@ -1,7 +1,7 @@
 r"""Gemma 3 270M perplexity against the HF transformers reference (float, int8, int4 g128).
 
 Command:
-  .venv/bin/python benchmarks/gemma_ppl.py --config=configs/gemma3_270m_eval.py
+  .venv/bin/python -m benchmarks.gemma_ppl --config=configs/gemma3_270m_eval.py
   (--config.quant='' for the float model only; --config.windows=2 for a quick look)
 
 Expected run time: ~6-10 min on 2 busy CPU cores (32 forward passes of 512 tokens, plus the
@@ -10,9 +10,9 @@ one-off ~30 s GGUF conversion when the cache is cold).
 Protocol (this cut reproduces HF's 53.84 / 32.27 to 0.01%; llama.cpp on the Q4_K_M file
 itself gives 54.15 / 32.45 with the same ids): tokenize the whole file once with the GGUF
 tokenizer (HF's ids: WikiText-2's 11,718 literal `<unk>` become the special id 3, where
-llama.cpp spells them out as text; the ids start with BOS), cut non-overlapping 512-token windows, overwrite the first
-token of every window with BOS (a no-op for the first), and score the first 8 windows
-(8 x 511 = 4,088 predicted tokens). The alternative cut, BOS + 511 fresh tokens per window
+llama.cpp spells them out as text; the ids start with BOS), cut non-overlapping 512-token
+windows, overwrite the first token of every window with BOS (a no-op for the first), and
+score the first 8 windows (8 x 511 = 4,088 predicted tokens). The alternative cut, BOS + 511 fresh tokens per window
 (`bos_mode='prepend'`, no token skipped), gives 54.40 / 32.44: the protocol matters more
 than the 0.5% tolerance, so compare only like with like.
 

@@ -12,12 +12,6 @@ the roofline. Writes table.txt and latency_vs_batch.png to --config.out_dir
 
 import dataclasses
 import os
-import sys
-
-try:
-  import qjax  # noqa: F401  (installed with `pip install -e .`)
-except ImportError:  # a plain checkout: put the repo root on the path
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app
 from ml_collections import config_flags
