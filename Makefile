@@ -18,7 +18,7 @@ install-test: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 
 demo: install
-	XLA_FLAGS= $(BIN)/python experiments/demo.py --config=configs/demo.py
+	XLA_FLAGS= $(BIN)/python -m experiments.demo --config=configs/demo.py
 
 # --dist loadscope: one worker runs a whole module, so the Gemma model loads once.
 test: install-test
@@ -31,7 +31,7 @@ test-reference: install-test
 	$(BIN)/python -m pytest tests/checkpoints -q -n 2 --dist loadscope
 
 bench: install
-	XLA_FLAGS= $(BIN)/python benchmarks/qdot_bench.py
+	XLA_FLAGS= $(BIN)/python -m benchmarks.qdot_bench
 
 clean:
 	rm -rf results/ .pytest_cache

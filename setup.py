@@ -8,6 +8,8 @@ setup(
     description='Quantization as pure functions, Flax NNX transformers, partitioning layouts '
                 'and evidence-first experiments in JAX.',
     packages=find_packages(include=['qjax', 'qjax.*']),
+    # The vendored corpora (qjax.data.corpus) and their provenance/licence README.
+    package_data={'qjax.data': ['corpora/README.md', 'corpora/*/*.txt']},
     python_requires='>=3.11',
     install_requires=[
         # Lower bounds only: jax 0.10 (Python 3.11) and 0.11/0.12 (Python 3.12) both work.

@@ -1,6 +1,6 @@
 """Gemma 3 270M load time from the GGUF: cold (parse + dequantize + write cache) vs warm.
 
-    .venv/bin/python benchmarks/gemma_load.py [--cache_dir=/tmp/qjax_cache_bench]
+    .venv/bin/python -m benchmarks.gemma_load [--cache_dir=/tmp/qjax_cache_bench]
 
 Expected run time: ~1 min. The cold load uses an empty cache directory (the default one,
 ~/.cache/qjax, is left alone), then the same loads run again from that cache. Measured on 2

@@ -1,6 +1,6 @@
 """Gemma 3 270M perplexity (float, RTN int8 / int4 g128) vs the HF transformers reference.
 
-    .venv/bin/python benchmarks/gemma_ppl.py --config=configs/gemma3_270m_eval.py
+    .venv/bin/python -m benchmarks.gemma_ppl --config=configs/gemma3_270m_eval.py
 
 The protocol, expected numbers and run time are in the config's docstring. Check `uptime`
 first: other processes on the machine slow this down, but do not change the numbers.
@@ -12,20 +12,18 @@ import json
 import math
 import os
 import pathlib
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app
+from ml_collections import config_flags
+import numpy as np
 
-from absl import app  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-import numpy as np  # noqa: E402
-
-from experiments.gemma_ptq import FILES, bos_windows, data_root  # noqa: E402
-from qjax.checkpoints.gemma3 import load_gemma3_270m  # noqa: E402
-from qjax.core import int_format  # noqa: E402
-from qjax.eval import perplexity  # noqa: E402
-from qjax.nn import QuantPolicy, QuantRule, quantize_model, weight_bytes  # noqa: E402
+from qjax.checkpoints.gemma3 import load_gemma3_270m
+from qjax.core import int_format
+from qjax.data import corpus
+from qjax.eval import perplexity
+from qjax.nn import QuantPolicy, QuantRule, quantize_model, weight_bytes
+from qjax.pipeline.gemma import bos_windows
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/gemma3_270m_eval.py')
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -56,7 +54,7 @@ def main(_):
   results = {'protocol': dict(cfg.to_dict()), 'float': {}, 'quantized': {}}
   data = {}
   for name in cfg.datasets.split(','):
-    ids = tok.encode((data_root() / FILES[name]).read_text(encoding='utf-8')).ids
+    ids = tok.encode(corpus(name)).ids
     data[name] = windows(ids, tok.token_to_id('<bos>'), cfg.window, cfg.windows, cfg.bos_mode)
     t = time.perf_counter()
     r = perplexity(model, data[name], batch=cfg.batch)

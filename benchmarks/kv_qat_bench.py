@@ -1,7 +1,7 @@
 r"""KV-cache QAT on the small trained model: does training with a quantized cache close its gap?
 
 Run (after training the base model, see configs/qat_sweep.py):
-  XLA_FLAGS= .venv/bin/python benchmarks/kv_qat_bench.py --workdir=/tmp/qat_base \
+  XLA_FLAGS= .venv/bin/python -m benchmarks.kv_qat_bench --workdir=/tmp/qat_base \
       --out_dir=/tmp/kv_qat_bench [--kv=int4] [--steps=40]
 
 For float weights and for int4-g32 weights (QAT, LSQ scales), the same short run (the QAT
@@ -23,19 +23,14 @@ not reliably improve on this tiny, briefly trained model (slightly worse with in
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flax import nnx
 
-from flax import nnx  # noqa: E402
-
-from configs import qat_sweep  # noqa: E402
-from experiments import qat as qat_exp  # noqa: E402
-from experiments import quantize as qexp  # noqa: E402
-from experiments import train as train_lib  # noqa: E402
-from qjax import eval as qeval  # noqa: E402
-from qjax.nn import QuantPolicy, QuantRule, with_kv_format  # noqa: E402
-from qjax.train import convert, data as qdata, prepare_qat  # noqa: E402
+from configs import qat_sweep
+from qjax import eval as qeval
+from qjax import pipeline
+from qjax.nn import QuantPolicy, QuantRule, with_kv_format
+from qjax.train import convert, data as qdata, prepare_qat
 
 
 def evaluate(model, windows, batch, kv) -> dict:
@@ -52,7 +47,7 @@ def main():
   p.add_argument('--kv', default='int4', help='KV cache format (qjax.nn.kvcache.KV_FORMATS)')
   p.add_argument('--steps', type=int, default=qat_sweep.qat_config().steps)
   args = p.parse_args()
-  model, _, data = train_lib.load_trained(args.workdir)
+  model, _, data = pipeline.load_trained(args.workdir)
   c = qat_sweep.get_config()
   c.qat.steps = args.steps
   windows = qdata.eval_windows(data.valid, model.config.max_len, c.eval.windows)
@@ -61,12 +56,12 @@ def main():
   q = c.quant
   q.bits, q.group_size, q.method = 4, 32, 'qat'
   settings = [('float', QuantPolicy((QuantRule('.*', exempt=True),)), False),
-              ('int4-g32', qexp.make_policy(q), True)]
+              ('int4-g32', pipeline.make_policy(q), True)]
   for weights, policy, learn in settings:
     c.qat.learn_scales = learn
     for kv in (None, args.kv):
       qat, _ = prepare_qat(nnx.clone(model), policy, learn_scales=learn, kv=kv)
-      stats = qat_exp.train_loop(qat, data, c.qat, model.config.max_len, log=lambda s: None)
+      stats = pipeline.train_loop(qat, data, c.qat, model.config.max_len, log=lambda s: None)
       served, _ = convert(qat, policy)
       rows.append({'weights': weights, 'kv_qat': kv or 'none', 'steps': stats['train_steps'],
                    'train_loss': stats['train_loss'],

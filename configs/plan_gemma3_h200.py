@@ -1,7 +1,7 @@
 r"""Plan Gemma 3 270M inference on one H200 (bf16), the model qjax quantizes.
 
 Command:
-  python experiments/plan.py --config=configs/plan_gemma3_h200.py
+  python -m experiments.plan --config=configs/plan_gemma3_h200.py
   (--config.decode.weight_bits=4 for a 4-bit model, --config.n_chips=8 for a whole HGX
   board, where layouts start to differ)
 

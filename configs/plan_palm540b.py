@@ -1,7 +1,7 @@
 r"""Plan PaLM 540B inference on 64 TPU v4 chips: Pope et al. 2022's low-latency setting.
 
 Command:
-  python experiments/plan.py --config=configs/plan_palm540b.py
+  python -m experiments.plan --config=configs/plan_palm540b.py
   (e.g. --config.decode.batch=512 --config.decode.weight_bits=16 for the high-throughput
   decode row, --config.interconnect=per_axis for the per-axis interconnect model)
 

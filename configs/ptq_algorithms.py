@@ -2,13 +2,13 @@ r"""PTQ algorithms on a trained run: {RTN, GPTQ, AWQ} x {int4, int3} x {per-chan
 plus W8A8 {plain, SmoothQuant} and LLM.int8(), each evaluated against the float model.
 
 Command (train the model first, ~2 min on 2 cores):
-  XLA_FLAGS= .venv/bin/python experiments/train.py --config=configs/tiny_lm.py \
+  XLA_FLAGS= .venv/bin/python -m experiments.train --config=configs/tiny_lm.py \
       --config.workdir=/tmp/ptq_lm \
-      --config.data.source=/work/shared/data/tinyshakespeare/input.txt --config.train.steps=300
-  XLA_FLAGS= .venv/bin/python experiments/sweep.py --config=configs/ptq_algorithms.py \
+      --config.data.source=qjax/data/corpora/tinyshakespeare/input.txt --config.train.steps=300
+  XLA_FLAGS= .venv/bin/python -m experiments.sweep --config=configs/ptq_algorithms.py \
       --config.workdir=/tmp/ptq_lm
-Every point is an experiments/quantize.py point (`quant.method` set by the sweep): saved
-with its conversion record (calibration set hash, procedure, per-layer errors, folds),
+Every point is a `python -m experiments.quantize` point (`quant.method` set by the sweep):
+saved with its conversion record (calibration set hash, procedure, per-layer errors, folds),
 reloaded and checked bit for bit. Resumable: rerunning skips finished points.
 Expected run time: 2.5 min on an idle 2-core CPU (each point quantizes twice: the second,
   warm, time is the algorithm's own cost; the first includes XLA compiles).
@@ -25,7 +25,7 @@ from configs import quantize as quantize_config
 
 def get_config() -> ml_collections.ConfigDict:
   c = quantize_config.get_config()
-  c.workdir = '/tmp/ptq_lm'          # a finished experiments/train.py run
+  c.workdir = '/tmp/ptq_lm'          # a finished `python -m experiments.train` run
   c.out_dir = 'results/ptq_algorithms'
   c.warm_repeat = True               # quantize every point twice: the second time is warm
   return c

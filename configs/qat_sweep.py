@@ -6,12 +6,13 @@ from the float model restored from the checkpoint)}: 36 points, appended to
 <out_dir>/results.jsonl in the PTQ sweeps' row format, with table.md and ppl_vs_bytes.png
 (one line per method). Rerunning skips finished points.
 --config.qat.kv=int4 (or int8, fp8) makes the QAT points train and serve with that KV cache
-format (points named '...-kvint4'; see experiments/qat.py).
+format (points named '...-kvint4'; see experiments/qat.py and qjax.pipeline.qat).
 
 Command (base model first, ~2-4 minutes):
-  XLA_FLAGS= .venv/bin/python experiments/train.py --config=configs/tiny_lm.py \
-      --config.workdir=/tmp/qat_base --config.data.source=/work/shared/data/tinyshakespeare/input.txt
-  XLA_FLAGS= .venv/bin/python experiments/qat.py --config=configs/qat_sweep.py \
+  XLA_FLAGS= .venv/bin/python -m experiments.train --config=configs/tiny_lm.py \
+      --config.workdir=/tmp/qat_base \
+      --config.data.source=qjax/data/corpora/tinyshakespeare/input.txt
+  XLA_FLAGS= .venv/bin/python -m experiments.qat --config=configs/qat_sweep.py \
       --config.workdir=/tmp/qat_base --config.out_dir=/tmp/qat_sweep  [--config.qat.steps=200]
 Expected run time: ~10 minutes on an idle 2-core CPU (24 QAT points of 40 steps, compiles
   dominate; 14 minutes measured with the machine shared, load ~6).
@@ -55,7 +56,7 @@ def qat_config() -> ml_collections.ConfigDict:
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.workdir = '/tmp/qat_base'      # a finished experiments/train.py run (the teacher, too)
+  c.workdir = '/tmp/qat_base'      # a finished `python -m experiments.train` run (the teacher)
   c.out_dir = 'results/qat_sweep'
   c.quant = quantize_config.quant_config()
   c.calib = quantize_config.calib_config()     # for qat.init = 'gptq' / 'awq'

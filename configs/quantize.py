@@ -1,7 +1,7 @@
 """PTQ of a trained run (RTN, GPTQ, AWQ, SmoothQuant, LLM.int8()), evaluated against float.
 
 Command:
-  .venv/bin/python experiments/quantize.py --config=configs/quantize.py \
+  .venv/bin/python -m experiments.quantize --config=configs/quantize.py \
       --config.workdir=results/tiny_lm --config.quant.bits=4 --config.quant.group_size=128
   ... --config.quant.method=gptq --config.calib.num_sequences=64   (calibrated methods)
 Expected run time: ~20 s on a 2-core CPU for the tiny_lm model (RTN; GPTQ/AWQ ~1 min).
@@ -14,7 +14,7 @@ import ml_collections
 
 
 def quant_config() -> ml_collections.ConfigDict:
-  """One PTQ point: the policy `experiments/quantize.py` builds (sweeps override these)."""
+  """One PTQ point: the policy `qjax.pipeline.make_policy` builds (sweeps override these)."""
   q = ml_collections.ConfigDict()
   q.method = 'rtn'                 # 'rtn' (no calibration data), 'gptq', 'awq',
                                    # 'smoothquant' (needs act='int8'), 'llm_int8' (int8 weights)
@@ -74,7 +74,7 @@ def eval_config() -> ml_collections.ConfigDict:
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.workdir = 'results/tiny_lm'    # a finished experiments/train.py run
+  c.workdir = 'results/tiny_lm'    # a finished `python -m experiments.train` run
   c.out_dir = ''                   # default: <workdir>/quantized/<format name>
   c.quant = quant_config()
   c.calib = calib_config()

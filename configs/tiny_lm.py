@@ -1,9 +1,9 @@
 """A small byte-level language model trained on the embedded corpus (`pydoc_data.topics`).
 
 Command:
-  .venv/bin/python experiments/train.py --config=configs/tiny_lm.py --config.workdir=/tmp/lm
+  .venv/bin/python -m experiments.train --config=configs/tiny_lm.py --config.workdir=/tmp/lm
   (any field can be overridden: --config.train.steps=2000 --config.model.num_layers=6
-   --config.data.source=../shared/data/tinyshakespeare/input.txt)
+   --config.data.source=qjax/data/corpora/tinyshakespeare/input.txt)
 Expected run time: ~1 minute on an idle 2-core CPU (300 steps of 16 x 128 bytes, 0.5M params).
 Expected metric: validation perplexity ~4-6 bytes^-1 (the unigram baseline is ~25-30);
   a rerun after a kill resumes from the latest checkpoint and ends on the same loss.

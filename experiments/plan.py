@@ -1,7 +1,7 @@
 r"""Plan transformer inference with the analytic cost model (Pope et al. 2022).
 
-  python experiments/plan.py --config=configs/plan_palm540b.py
-  python experiments/plan.py --config=configs/plan_gemma3_h200.py --config.n_chips=8
+  python -m experiments.plan --config=configs/plan_palm540b.py
+  python -m experiments.plan --config=configs/plan_gemma3_h200.py --config.n_chips=8
 
 For each phase (prefill, decode) and each layout at its best mesh, prints the per-step
 compute / weight-load / KV-load / communication times, the step and total latency, MFU,
@@ -12,12 +12,6 @@ the roofline. Writes table.txt and latency_vs_batch.png to --config.out_dir
 
 import dataclasses
 import os
-import sys
-
-try:
-  import qjax  # noqa: F401  (installed with `pip install -e .`)
-except ImportError:  # a plain checkout: put the repo root on the path
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app
 from ml_collections import config_flags

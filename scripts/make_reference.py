@@ -142,11 +142,9 @@ def ids_digest(ids) -> str:
 
 
 def corpora() -> dict[str, pathlib.Path]:
-  for root in (ROOT.parent / 'shared' / 'data', pathlib.Path('/work/shared/data')):
-    if root.is_dir():
-      return {'tinyshakespeare': root / 'tinyshakespeare' / 'input.txt',
-              'wikitext2_valid': root / 'wikitext-2' / 'valid.txt'}
-  raise FileNotFoundError('../shared/data not found')
+  """The vendored corpora (qjax.data) the tokenizer goldens cover, by name."""
+  from qjax.data import corpus_path  # pylint: disable=g-import-not-at-top
+  return {name: corpus_path(name) for name in ('tinyshakespeare', 'wikitext2_valid')}
 
 
 def make_tokenizer_golden(hf_tok, gguf_path: str, compare: bool) -> dict:

@@ -22,17 +22,6 @@ def eight_devices():
 
 
 @pytest.fixture(scope='session')
-def shared_data():
-  """../shared/data next to the repository (CI lays shared/ beside the clone)."""
-  import pathlib  # pylint: disable=g-import-not-at-top
-  root = pathlib.Path(__file__).resolve().parents[1]
-  for cand in (root.parent / 'shared' / 'data', pathlib.Path('/work/shared/data')):
-    if cand.is_dir():
-      return cand
-  raise FileNotFoundError('../shared/data not found beside the repository')
-
-
-@pytest.fixture(scope='session')
 def repo_root():
   import pathlib  # pylint: disable=g-import-not-at-top
   return pathlib.Path(__file__).resolve().parents[1]

@@ -1,6 +1,7 @@
 """Checkpoints: Orbax save/restore of (quantized) models and conversion records."""
 
-from qjax.checkpoints.records import (RECORD_NAME, REQUIRED_FIELDS, digest, file_sha256,
+from qjax.checkpoints.records import (RECORD_NAME, REQUIRED_FIELDS, conversion_record, digest,
+                                      file_sha256,
                                       hardware_info, read_record, runtime_info, tree_sha256,
                                       write_record)
 from qjax.checkpoints.orbax_io import restore_state, save_state
@@ -16,6 +17,6 @@ from qjax.checkpoints.tokenizer import build_tokenizer, check_vocab, gguf_tokeni
 __all__ = [
     'GEMMA3_FACTS', 'build_tokenizer', 'check_vocab', 'gemma3_270m_path', 'gguf_config',
     'gguf_tokenizer', 'hf_config', 'load_gemma3_270m', 'load_gguf', 'load_safetensors',
-    'model_from_params', 'model_params', 'open_gguf', 'param_shapes','RECORD_NAME', 'REQUIRED_FIELDS', 'digest', 'file_sha256', 'hardware_info', 'load_quantized', 'policy_from_dict', 'policy_to_dict',
+    'model_from_params', 'model_params', 'open_gguf', 'param_shapes','RECORD_NAME', 'REQUIRED_FIELDS', 'conversion_record', 'digest', 'file_sha256', 'hardware_info', 'load_quantized', 'policy_from_dict', 'policy_to_dict',
            'read_record', 'restore_state', 'runtime_info', 'save_quantized', 'save_state', 'tree_sha256',
            'write_record']

@@ -78,6 +78,62 @@ def hardware_info() -> dict:
           'processor': platform.processor() or platform.machine(), 'cpu_count': os.cpu_count()}
 
 
+ACCUMULATION = 'int32 for integer dots, float32 otherwise'
+# Filled in by `write_record` once the artifacts exist.
+_WRITTEN_FIELDS = ('runtime', 'hardware', 'artifacts')
+
+
+def conversion_record(*, base_checkpoint: dict, tokenizer: str, source_dtype: str,
+                      layers, group_size, granularity: str, method: str, scale_method: str,
+                      zero_point_method: str, calibration: dict, compute_dtype: str,
+                      compute_path, kv_cache_format: str, evaluation: dict,
+                      adapter_merge_status: str = 'no adapters',
+                      accumulation_dtype: str = ACCUMULATION, **extra) -> dict:
+  """The conversion record of one quantized model, before `write_record` completes it.
+
+  Every entry point that converts a model (PTQ, QAT, a real checkpoint's sweep) builds its
+  record here, so the fields are the same everywhere.
+
+  Args:
+    base_checkpoint: {'sha256': ..., 'source': ...} of the float model converted.
+    tokenizer: the tokenizer's name.
+    source_dtype, compute_dtype: the float model's parameter and compute dtypes.
+    layers: the quantization report's layers (`QuantReport.layers`: `.path`, `.weight`,
+      `.act`, `.quantized`); the per-layer formats and the exempt modules come from them.
+    group_size: the weight group size (None per channel); granularity: the rule's setting.
+    method: 'rtn', 'gptq', ..., 'qat', 'qat+distill'.
+    scale_method, zero_point_method: how scales and zero points were chosen, in words.
+    calibration: the calibration data and procedure (the algorithms' record, or QAT's).
+    compute_path: the qeinsum path (a name, or {'policy': ..., 'resolved': ...}).
+    kv_cache_format: the KV cache format, in words.
+    evaluation: the headline metrics of the converted model.
+    adapter_merge_status, accumulation_dtype: as the names say.
+    **extra: further fields a caller records (none is dropped).
+
+  Returns:
+    The record (a dict holding every REQUIRED_FIELDS entry but runtime, hardware, artifacts).
+  """
+  layers = list(layers)
+  record = {
+      'base_checkpoint': dict(base_checkpoint),
+      'tokenizer': tokenizer, 'source_dtype': source_dtype,
+      'weight_formats': {l.path: l.weight for l in layers},
+      'activation_formats': {l.path: l.act for l in layers},
+      'group_size': group_size, 'granularity': granularity, 'method': method,
+      'scale_method': scale_method, 'zero_point_method': zero_point_method,
+      'exempt_modules': [l.path for l in layers if not l.quantized],
+      'calibration': calibration,
+      'compute_dtype': compute_dtype, 'accumulation_dtype': accumulation_dtype,
+      'compute_path': compute_path, 'kv_cache_format': kv_cache_format,
+      'adapter_merge_status': adapter_merge_status, 'evaluation': dict(evaluation),
+      **extra,
+  }
+  missing = [f for f in REQUIRED_FIELDS if f not in record and f not in _WRITTEN_FIELDS]
+  if missing:  # REQUIRED_FIELDS grew without this builder: say so at once, not at write
+    raise ValueError(f'conversion_record builds no {missing}; add them to the builder.')
+  return record
+
+
 def write_record(out_dir: str, record: dict) -> str:
   """Complete `record` with artifact hashes, runtime and hardware, and write it as JSON.
 
@@ -114,7 +170,7 @@ def read_record(out_dir: str, verify: bool = True) -> dict:
   path = os.path.join(out_dir, RECORD_NAME)
   if not os.path.isfile(path):
     raise ValueError(f'{out_dir!r} has no {RECORD_NAME}; it is not a qjax conversion output '
-                     '(run experiments/quantize.py to produce one).')
+                     '(run `python -m experiments.quantize` to produce one).')
   with open(path) as f:
     record = json.load(f)
   if verify:

@@ -35,7 +35,7 @@ function of (format, backend) only, so it is recorded in conversion records via
 `choose_path`.
 
 Why, on XLA:CPU (2-core AMD EPYC, 4096x4096 weight, time / f32 time, measured side by side
-by benchmarks/qdot_bench.py under a noisy load of 3-12; see NOTES.md):
+by benchmarks/qdot_bench.py under a noisy load of 3-12):
 
 * XLA:CPU's fused dot kernel (YNNPACK) re-packs its weight operand every call, and does not
   fuse an int->float convert into the dot, so "dequantize then dot" writes a full float copy
@@ -297,7 +297,8 @@ def _tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
   m_shape = x2.shape[:len(x_only)]
   m = math.prod(m_shape)
   x2 = x2.reshape(m, k).astype(jnp.float32)
-  # M = 1 takes XLA's own matrix-vector loop (f32); M >= 2 the fused bf16 kernel (NOTES.md).
+  # M = 1 takes XLA's own matrix-vector loop (f32); M >= 2 the fused bf16 kernel (bf16 x bf16 with
+  # f32 accumulation needs no weight copy there; at M = 1 bf16 tiles measured slower than f32).
   cdt = jnp.float32 if m == 1 else jnp.bfloat16
 
   # Tile rows: ~_TILE_ELEMENTS per tile in whole groups; one group per tile when activation

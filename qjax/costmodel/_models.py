@@ -108,7 +108,9 @@ class ModelShape:
 
 # PaLM: Chowdhery et al. 2022, Table 1 (SwiGLU, multiquery, parallel block, shared embeddings,
 # d_ff = 4 d_model, vocab 256k). n_params: 8.63B, 62.50B, 540.35B.
-# Gemma 3 270M: see /work/shared/NOTES.md (GeGLU, 4 query heads sharing 1 kv head, serial block).
+# Gemma 3 270M: its GGUF's metadata (as qjax.checkpoints.gguf_config reads it): 18 layers,
+# d_model 640, d_ff 2048 GeGLU, 4 query heads sharing 1 kv head of 256, vocab 262,144,
+# serial block.
 MODELS = {
     'palm_8b': ModelShape('palm_8b', n_layers=32, d_model=4096, d_ff=16384, n_heads=16,
                           head_dim=256, n_kv_heads=1, vocab=256128, glu=True,

@@ -71,14 +71,13 @@ def test_tokenizer_ids_match_hf(gemma):
     assert tok.encode(text).ids == ids, repr(text)
 
 
-def test_tokenizer_whole_corpora_match_hf(gemma, shared_data):
+def test_tokenizer_whole_corpora_match_hf(gemma):
   import hashlib  # pylint: disable=g-import-not-at-top
+  from qjax.data import corpus  # pylint: disable=g-import-not-at-top
   tok = gemma[1]
   g = json.loads((GOLDEN / 'tokenizer_golden.json').read_text())['corpora']
-  files = {'tinyshakespeare': 'tinyshakespeare/input.txt',
-           'wikitext2_valid': 'wikitext-2/valid.txt'}
-  for name, rel in files.items():
-    ids = tok.encode((shared_data / rel).read_text(encoding='utf-8')).ids
+  for name in ('tinyshakespeare', 'wikitext2_valid'):
+    ids = tok.encode(corpus(name)).ids
     assert len(ids) == g[name]['num_tokens'] and ids[:64] == g[name]['head'], name
     assert hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest() == g[name]['sha256']
 

@@ -1,4 +1,4 @@
-"""experiments/plan.py end to end on both configs (subprocesses, a two-point plot sweep)."""
+"""python -m experiments.plan end to end on both configs (subprocesses, a two-point plot sweep)."""
 
 import os
 import pathlib
@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def _run(config: str, *flags: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
   return subprocess.run(
-      [sys.executable, str(ROOT / 'experiments' / 'plan.py'), f'--config={ROOT / config}',
+      [sys.executable, '-m', 'experiments.plan', f'--config={ROOT / config}',
        '--config.plot_batches=(1, 64)', *flags],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 

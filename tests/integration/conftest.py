@@ -1,12 +1,12 @@
 """Tiny experiment configs shared by the integration tests."""
 
 import os
-import sys
 
 import pytest
 
+from qjax import pipeline
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 
 TINY = {
     'model.d_model': 32, 'model.num_layers': 2, 'model.num_heads': 2, 'model.num_kv_heads': 1,
@@ -34,19 +34,16 @@ def tiny_flags(workdir, **extra):
 @pytest.fixture(scope='session')
 def trained_tiny(tmp_path_factory):
   """A finished tiny training run (shared by the PTQ and sweep tests)."""
-  from experiments import train as train_lib  # pylint: disable=g-import-not-at-top
   wd = tmp_path_factory.mktemp('tiny_run')
-  train_lib.train(tiny_config(wd), str(wd))
+  pipeline.train(tiny_config(wd), str(wd))
   return wd
 
 
 def tiny_reference(workdir, windows, ref_batch, greedy_prompts, prompt_len, greedy_tokens):
-  """experiments/quantize.py's FloatReference of a finished tiny run, with a small eval."""
+  """The pipeline's FloatReference of a finished tiny run, with a small eval."""
   from configs import quantize as quantize_config  # pylint: disable=g-import-not-at-top
-  from experiments import quantize as qexp  # pylint: disable=g-import-not-at-top
-  from experiments import train as train_lib  # pylint: disable=g-import-not-at-top
-  model, _, data = train_lib.load_trained(str(workdir))
+  model, _, data = pipeline.load_trained(str(workdir))
   e = quantize_config.eval_config()
   e.windows, e.ref_batch, e.greedy_prompts = windows, ref_batch, greedy_prompts
   e.prompt_len, e.greedy_tokens = prompt_len, greedy_tokens
-  return qexp.FloatReference(model, data, e)
+  return pipeline.FloatReference(model, data, e)

@@ -1,13 +1,13 @@
-"""experiments/gemma_ptq.py's pieces on a tiny model: windows, per-source-type metrics."""
+"""qjax.pipeline.gemma, the Gemma PTQ sweep's pieces, on a tiny model: windows, metrics."""
 
 import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import gemma_ptq
 from qjax.algorithms import apply_method
 from qjax.core import dequantize, int_format
 from qjax.nn import QuantPolicy, QuantRule, Transformer, TransformerConfig, einsum_layers
+from qjax.pipeline import gemma as gemma_ptq
 
 POLICY = QuantPolicy((QuantRule('embed', exempt=True),
                       QuantRule('.*', int_format(3, group_size=32))))

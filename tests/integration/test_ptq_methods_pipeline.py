@@ -1,4 +1,4 @@
-"""experiments/quantize.py with calibrated methods: calibration set in the record, reload."""
+"""qjax.pipeline's PTQ point with calibrated methods: calibration set in the record, reload."""
 
 import hashlib
 import json
@@ -11,9 +11,8 @@ from conftest import tiny_reference
 
 from configs import ptq_algorithms
 from configs import quantize as quantize_config
-from experiments import quantize as qexp
-from experiments import sweep as sweep_lib
 from qjax import checkpoints as qckpt
+from qjax import pipeline
 from qjax.algorithms.apply import METHOD_OPTIONS
 from qjax.train import data as qdata
 
@@ -46,7 +45,7 @@ def test_method_options_defaults_are_the_algorithms_defaults():
 def test_gptq_point_records_its_calibration_set_and_reloads(ref, tmp_path):
   calib = _calib(seed=3)
   out = str(tmp_path / 'gptq')
-  row = qexp.quantize_and_evaluate(ref, _quant(method='gptq', bits=3), out, 'base',
+  row = pipeline.quantize_and_evaluate(ref, _quant(method='gptq', bits=3), out, 'base',
                                    calib=calib, options=quantize_config.method_options())
   assert row['reload_bit_identical'] and row['name'] == 'gptq-int3-channel'
   # The record's hash is of exactly the windows the config describes (int32 little-endian).
@@ -61,7 +60,7 @@ def test_gptq_point_records_its_calibration_set_and_reloads(ref, tmp_path):
   assert 'GPTQ' in cal['procedure'] and record['method'] == 'gptq'
   assert row['calibration_tokens_sha256'] == want
   # A different seed is a different calibration set, hence a different model.
-  row2 = qexp.quantize_and_evaluate(ref, _quant(method='gptq', bits=3), str(tmp_path / 'g2'),
+  row2 = pipeline.quantize_and_evaluate(ref, _quant(method='gptq', bits=3), str(tmp_path / 'g2'),
                                     'base', calib=_calib(seed=4), reload_check=False)
   assert row2['calibration_tokens_sha256'] != want and row2['ppl'] != row['ppl']
 
@@ -75,7 +74,7 @@ def test_swapped_modules_are_rebuilt_on_load(ref, tmp_path, method, quant, optio
   opts = quantize_config.method_options()
   opts[method].update(options)
   out = str(tmp_path / method)
-  row = qexp.quantize_and_evaluate(ref, _quant(method=method, **quant), out, 'base',
+  row = pipeline.quantize_and_evaluate(ref, _quant(method=method, **quant), out, 'base',
                                    calib=_calib(), options=opts)
   assert row['reload_bit_identical']  # load_quantized rebuilt the structure, logits equal
   record = qckpt.read_record(out)
@@ -95,22 +94,22 @@ def test_swapped_modules_are_rebuilt_on_load(ref, tmp_path, method, quant, optio
 def test_calibration_from_a_text_file(ref, tmp_path):
   path = tmp_path / 'calib.txt'
   path.write_text('calibration text, repeated. ' * 40)
-  tokens, desc = qexp.calibration_set(_calib(source=str(path)), ref.data)
+  tokens, desc = pipeline.calibration_set(_calib(source=str(path)), ref.data)
   assert tokens.shape == (6, 16) and str(path) in desc
   assert set(np.unique(tokens)) <= set(ref.data.tokenizer.encode(path.read_text()).tolist())
 
 
 def test_bad_calibration_config(ref, tmp_path):
   with pytest.raises(ValueError, match='needs a calibration set'):
-    qexp.quantize(ref, _quant(method='gptq', bits=4))
+    pipeline.quantize(ref, _quant(method='gptq', bits=4))
   with pytest.raises(ValueError, match=r'seq_len=10000000.*calib.num_sequences'):
-    qexp.calibration_set(_calib(seq_len=10000000), ref.data)
+    pipeline.calibration_set(_calib(seq_len=10000000), ref.data)
   with pytest.raises(ValueError, match="method='hqq' is unknown"):
-    qexp.quantize(ref, _quant(method='hqq'), calib=_calib())
+    pipeline.quantize(ref, _quant(method='hqq'), calib=_calib())
   short = tmp_path / 'short.txt'
   short.write_text('tiny')
   with pytest.raises(ValueError, match='short.txt'):
-    qexp.calibration_set(_calib(source=str(short)), ref.data)
+    pipeline.calibration_set(_calib(source=str(short)), ref.data)
 
 
 def test_method_sweep_names_points_and_keeps_going(trained_tiny, tmp_path):
@@ -126,7 +125,7 @@ def test_method_sweep_names_points_and_keeps_going(trained_tiny, tmp_path):
   points = [p for p in ptq_algorithms.sweep() if p.get('quant.bits') == 3 and
             p.get('quant.group_size') == 0][:5] + [
                 {'quant.method': 'smoothquant', 'quant.bits': 4}]   # no act format: fails
-  rows = sweep_lib.run_ptq_sweep(c, points, log=lambda s: None)
+  rows = pipeline.run_ptq_sweep(c, points, log=lambda s: None)
   names = [r['name'] for r in rows]
   assert names[:4] == ['float', 'rtn-int3-channel', 'gptq-int3-channel', 'awq-int3-channel']
   assert 'gptq-int3-channel+calib.sequential=False' in names
@@ -142,8 +141,8 @@ def test_method_sweep_names_points_and_keeps_going(trained_tiny, tmp_path):
 
 def test_ptq_point_served_with_a_quantized_kv_cache(ref, tmp_path):
   out = str(tmp_path / 'kv')
-  row = qexp.quantize_and_evaluate(ref, _quant(bits=8, kv='int4'), out, 'base')
-  plain = qexp.quantize_and_evaluate(ref, _quant(bits=8), str(tmp_path / 'plain'), 'base',
+  row = pipeline.quantize_and_evaluate(ref, _quant(bits=8, kv='int4'), out, 'base')
+  plain = pipeline.quantize_and_evaluate(ref, _quant(bits=8), str(tmp_path / 'plain'), 'base',
                                      reload_check=False)
   assert row['name'] == 'rtn-int8-channel-kvint4' and row['kv_cache_format'] == 'int4-ch012'
   assert plain['kv_cache_format'] is None and row['ppl'] != plain['ppl']
@@ -151,4 +150,4 @@ def test_ptq_point_served_with_a_quantized_kv_cache(ref, tmp_path):
   record = qckpt.read_record(out)
   assert record['kv_cache_format'].startswith('int4-ch012')
   with pytest.raises(ValueError, match="quant.kv.*'int3'"):
-    qexp.quantize_and_evaluate(ref, _quant(bits=8, kv='int3'), str(tmp_path / 'bad'), 'base')
+    pipeline.quantize_and_evaluate(ref, _quant(bits=8, kv='int3'), str(tmp_path / 'bad'), 'base')

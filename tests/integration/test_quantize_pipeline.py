@@ -1,4 +1,4 @@
-"""experiments/quantize.py: PTQ, evaluation, conversion record, verified reload; bad input."""
+"""qjax.pipeline's PTQ point: evaluation, conversion record, verified reload; bad input."""
 
 import os
 
@@ -9,9 +9,8 @@ from flax import nnx
 from conftest import tiny_config, tiny_reference
 
 from configs import quantize as quantize_config
-from experiments import quantize as qexp
-from experiments import train as train_lib
 from qjax import checkpoints as qckpt
+from qjax import pipeline
 from qjax import eval as qeval
 from qjax.nn import Transformer, quantize_model
 
@@ -30,8 +29,8 @@ def _quant(**kw):
 
 def test_ptq_point_record_and_bit_identical_reload(ref, trained_tiny, tmp_path):
   out = str(tmp_path / 'int4')
-  row = qexp.quantize_and_evaluate(ref, _quant(bits=4, group_size=32), out,
-                                   qexp.base_checkpoint_hash(str(trained_tiny)))
+  row = pipeline.quantize_and_evaluate(ref, _quant(bits=4, group_size=32), out,
+                                   pipeline.base_checkpoint_hash(str(trained_tiny)))
   assert row['reload_bit_identical']
   assert row['weight_format'] == 'int4-g32' and row['name'] == 'rtn-int4-g32'
   assert row['weight_bytes'] < 0.6 * row['float_weight_bytes']
@@ -47,14 +46,14 @@ def test_ptq_point_record_and_bit_identical_reload(ref, trained_tiny, tmp_path):
   assert all(len(h) == 64 for h in record['artifacts'].values()) and record['artifacts']
   loaded, _ = qckpt.load_quantized(out)
   np.testing.assert_array_equal(qeval.logits(loaded, ref.ref_tokens),
-                                qeval.logits(quantize_model(ref.model, qexp.make_policy(
+                                qeval.logits(quantize_model(ref.model, pipeline.make_policy(
                                     _quant(bits=4, group_size=32)))[0], ref.ref_tokens))
 
 
 def test_int8_close_to_float_int3_further(ref, tmp_path):
-  r8 = qexp.quantize_and_evaluate(ref, _quant(bits=8), str(tmp_path / 'a'), 'x',
+  r8 = pipeline.quantize_and_evaluate(ref, _quant(bits=8), str(tmp_path / 'a'), 'x',
                                   reload_check=False)
-  r3 = qexp.quantize_and_evaluate(ref, _quant(bits=3), str(tmp_path / 'b'), 'x',
+  r3 = pipeline.quantize_and_evaluate(ref, _quant(bits=3), str(tmp_path / 'b'), 'x',
                                   reload_check=False)
   assert abs(r8['ppl_delta']) < 0.01 * ref.ppl['ppl']
   assert r3['max_abs_logit_diff'] > r8['max_abs_logit_diff']
@@ -63,7 +62,7 @@ def test_int8_close_to_float_int3_further(ref, tmp_path):
 
 def test_corrupted_artifact_is_refused(ref, tmp_path):
   out = str(tmp_path / 'q')
-  qexp.quantize_and_evaluate(ref, _quant(bits=8), out, 'x', reload_check=False)
+  pipeline.quantize_and_evaluate(ref, _quant(bits=8), out, 'x', reload_check=False)
   record = qckpt.read_record(out)
   victim = max(record['artifacts'], key=lambda p: os.path.getsize(os.path.join(out, p)))
   with open(os.path.join(out, victim), 'r+b') as f:
@@ -80,12 +79,12 @@ def test_corrupted_artifact_is_refused(ref, tmp_path):
 
 def test_missing_dir_and_wrong_architecture(ref, trained_tiny, tmp_path):
   with pytest.raises(ValueError, match='holds no training run'):
-    train_lib.load_trained(str(tmp_path / 'nope'))
+    pipeline.load_trained(str(tmp_path / 'nope'))
   with pytest.raises(ValueError, match='no conversion_record.json|has no conversion_record'):
     qckpt.load_quantized(str(tmp_path / 'nope'))
   # A training checkpoint restored into a different architecture.
   other = tiny_config(tmp_path, **{'model.d_model': 48})
-  mcfg = train_lib.model_config(other, 257)
+  mcfg = pipeline.model_config(other, 257)
   ckpt_dir = str(tmp_path / 'saved')
   qckpt.save_state(ckpt_dir, ref.model)
   with pytest.raises(ValueError, match='does not match the requested architecture'):
@@ -94,7 +93,7 @@ def test_missing_dir_and_wrong_architecture(ref, trained_tiny, tmp_path):
 
 def test_group_size_not_dividing_a_layer_names_it(ref, tmp_path):
   with pytest.raises(ValueError, match=r"group_size=24 .* layer 'layers/0/attn/[a-z_]+'"):
-    qexp.quantize_and_evaluate(ref, _quant(bits=4, group_size=24), str(tmp_path / 'x'), 'x')
+    pipeline.quantize_and_evaluate(ref, _quant(bits=4, group_size=24), str(tmp_path / 'x'), 'x')
 
 
 def test_prompt_longer_than_max_len(ref):

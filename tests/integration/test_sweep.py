@@ -7,8 +7,8 @@ import pytest
 from conftest import tiny_config
 
 from configs import quantize as quantize_config
-from experiments import sweep as sweep_lib
 from qjax import eval as qeval
+from qjax import pipeline
 
 
 def test_runner_resumes_and_records_failures(tmp_path):
@@ -46,7 +46,7 @@ def test_ptq_sweep_end_to_end_on_tiny_model(trained_tiny, tmp_path):
   points = [{'quant.bits': 8}, {'quant.bits': 4, 'quant.group_size': 32},
             {'quant.bits': 4, 'quant.group_size': 24}]      # 24 divides no layer: fails
   logs = []
-  rows = sweep_lib.run_ptq_sweep(c, points, log=logs.append)
+  rows = pipeline.run_ptq_sweep(c, points, log=logs.append)
   assert [r['status'] for r in rows] == ['ok', 'ok', 'ok', 'error']   # float row first
   assert 'group_size=24' in rows[-1]['error']
   for f in ('results.jsonl', 'table.md', 'ppl_vs_bytes.png'):
@@ -56,7 +56,7 @@ def test_ptq_sweep_end_to_end_on_tiny_model(trained_tiny, tmp_path):
   assert os.path.isfile(os.path.join(c.out_dir, 'points', 'rtn-int8-channel',
                                      'conversion_record.json'))
   logs.clear()
-  sweep_lib.run_ptq_sweep(c, points, log=logs.append)
+  pipeline.run_ptq_sweep(c, points, log=logs.append)
   assert sum('skipped' in l for l in logs) == 2
 
 
@@ -64,10 +64,10 @@ def test_override_typo_fails(trained_tiny):
   c = tiny_config(trained_tiny)
   c.quant = quantize_config.quant_config()
   with pytest.raises(ValueError, match="no config field 'bitz'"):
-    sweep_lib.apply_overrides(c, {'quant.bitz': 4})
+    pipeline.apply_overrides(c, {'quant.bitz': 4})
 
 
 def test_demo_config_declares_the_required_sweep(repo_root):
-  sweep = sweep_lib.load_sweep(str(repo_root / 'configs' / 'demo.py'))()
+  sweep = pipeline.load_sweep(str(repo_root / 'configs' / 'demo.py'))()
   got = {(p['quant.bits'], p['quant.group_size']) for p in sweep}
   assert {(b, g) for b in (8, 4, 3) for g in (0, 128, 32)} <= got

@@ -1,4 +1,4 @@
-"""experiments/train.py: a killed run resumes from its latest checkpoint to the same loss."""
+"""python -m experiments.train: a killed run resumes from its latest checkpoint to the same loss."""
 
 import json
 import os
@@ -12,7 +12,7 @@ ENV = dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
 
 
 def _train(workdir, *extra, timeout=300):
-  cmd = [sys.executable, os.path.join(ROOT, 'experiments', 'train.py'),
+  cmd = [sys.executable, '-m', 'experiments.train',
          '--config=' + os.path.join(ROOT, 'configs', 'tiny_lm.py')] + tiny_flags(workdir) + list(
              extra)
   return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True,
@@ -31,7 +31,7 @@ def test_kill_and_restart_gives_the_same_final_loss(tmp_path):
   assert ref.returncode == 0, ref.stderr[-2000:]
   # A run killed (SIGKILL) after its first checkpoints, then restarted with the same command.
   wd = tmp_path / 'killed'
-  cmd = [sys.executable, os.path.join(ROOT, 'experiments', 'train.py'),
+  cmd = [sys.executable, '-m', 'experiments.train',
          '--config=' + os.path.join(ROOT, 'configs', 'tiny_lm.py')] + tiny_flags(wd) + steps + [
              '--config.train.log_every=1']
   proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,

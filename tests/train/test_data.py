@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from qjax.data import corpus_path
 from qjax.train import data as qdata
 
 
@@ -30,8 +31,8 @@ def test_batches_are_a_pure_function_of_step_and_seed():
   assert a.shape == (4, 17) and (np.diff(a, axis=1) == 1).all()
 
 
-def test_shakespeare_file_source(shared_data):
-  d = qdata.load_data(str(shared_data / 'tinyshakespeare' / 'input.txt'), seq_len=128)
+def test_shakespeare_file_source():
+  d = qdata.load_data(str(corpus_path('tinyshakespeare')), seq_len=128)
   assert qdata.ByteTokenizer().decode(d.train[:9]) == 'First Cit'
 
 

@@ -1,8 +1,5 @@
 """Distillation: the loss against references, a frozen teacher, smaller students, bad input."""
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +12,6 @@ from qjax.nn import QuantPolicy, QuantRule, Transformer, TransformerConfig
 from qjax.train import (QATScale, check_teacher, distill_loss, distill_step, make_optimizer,
                         make_qat_optimizer, prepare_qat, student_config)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = TransformerConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
                         head_dim=32, d_ff=64, max_len=32)
 
@@ -111,11 +107,9 @@ def test_bad_input_is_a_clear_value_error():
 
 
 def test_teacher_checkpoint_with_another_vocabulary_is_refused(tmp_path):
-  """A real teacher checkpoint (experiments/train.py) whose vocabulary is not the student's."""
-  sys.path.insert(0, ROOT)
+  """A real teacher checkpoint (qjax.pipeline.train) whose vocabulary is not the student's."""
   from configs import tiny_lm  # pylint: disable=g-import-not-at-top
-  from experiments import qat as qat_exp  # pylint: disable=g-import-not-at-top
-  from experiments import train as train_lib  # pylint: disable=g-import-not-at-top
+  from qjax import pipeline  # pylint: disable=g-import-not-at-top
   c = tiny_lm.get_config()
   for k, v in {'model.d_model': 32, 'model.num_layers': 1, 'model.num_heads': 2,
                'model.head_dim': 16, 'model.d_ff': 32, 'data.seq_len': 16, 'train.batch': 2,
@@ -123,10 +117,10 @@ def test_teacher_checkpoint_with_another_vocabulary_is_refused(tmp_path):
                'checkpoint.every': 2}.items():
     node, leaf = k.split('.')
     c[node][leaf] = v
-  train_lib.train(c, str(tmp_path))
-  teacher = qat_exp.load_teacher(str(tmp_path), Transformer(
-      train_lib.model_config(c, 257), rngs=nnx.Rngs(0)))
+  pipeline.train(c, str(tmp_path))
+  teacher = pipeline.load_teacher(str(tmp_path), Transformer(
+      pipeline.model_config(c, 257), rngs=nnx.Rngs(0)))
   assert teacher.config.vocab_size == 257
-  student = Transformer(train_lib.model_config(c, 300), rngs=nnx.Rngs(0))
+  student = Transformer(pipeline.model_config(c, 300), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='vocab_size=257 but the student 300'):
-    qat_exp.load_teacher(str(tmp_path), student)
+    pipeline.load_teacher(str(tmp_path), student)

@@ -2,12 +2,10 @@
 
 import json
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+from qjax import pipeline
 
 TINY = {'model.d_model': 32, 'model.num_layers': 1, 'model.num_heads': 2,
         'model.num_kv_heads': 1, 'model.head_dim': 32, 'model.d_ff': 64, 'data.seq_len': 32,
@@ -18,13 +16,12 @@ TINY = {'model.d_model': 32, 'model.num_layers': 1, 'model.num_heads': 2,
 @pytest.fixture(scope='module')
 def trained(tmp_path_factory):
   from configs import tiny_lm  # pylint: disable=g-import-not-at-top
-  from experiments import train as train_lib  # pylint: disable=g-import-not-at-top
   c = tiny_lm.get_config()
   for k, v in TINY.items():
     node, leaf = k.split('.')
     c[node][leaf] = v
   wd = tmp_path_factory.mktemp('qat_base')
-  train_lib.train(c, str(wd))
+  pipeline.train(c, str(wd))
   return wd
 
 
@@ -40,11 +37,10 @@ def _config(workdir, out_dir):
 
 def test_sweep_rows_records_resume_and_table(trained, tmp_path):
   from configs import qat_sweep  # pylint: disable=g-import-not-at-top
-  from experiments import qat as qat_exp  # pylint: disable=g-import-not-at-top
   points = [{'quant.bits': 4, 'quant.group_size': 32, 'quant.method': m}
             for m in qat_sweep.METHODS]
   c = _config(trained, tmp_path)
-  rows = qat_exp.run_qat_sweep(c, points, log=lambda s: None)
+  rows = pipeline.run_qat_sweep(c, points, log=lambda s: None)
   assert [r['name'] for r in rows] == ['float', 'rtn-int4-g32', 'qat-int4-g32',
                                        'qat+distill-int4-g32']
   assert all(r['status'] == 'ok' for r in rows), [r.get('error') for r in rows]
@@ -62,19 +58,18 @@ def test_sweep_rows_records_resume_and_table(trained, tmp_path):
   assert 'recovered' in open(os.path.join(tmp_path, 'table.md')).read()
   # Rerun: every point is skipped, same rows.
   logs = []
-  again = qat_exp.run_qat_sweep(c, points, log=logs.append)
+  again = pipeline.run_qat_sweep(c, points, log=logs.append)
   assert sum('finished earlier' in l for l in logs) == 3
   assert [r['ppl'] for r in again] == [r['ppl'] for r in rows]
 
 
 def test_sweep_declares_the_full_grid_and_rejects_one_bit(trained, tmp_path):
   from configs import qat_sweep  # pylint: disable=g-import-not-at-top
-  from experiments import qat as qat_exp  # pylint: disable=g-import-not-at-top
   pts = qat_sweep.sweep()
   assert len(pts) == 36 and {p['quant.method'] for p in pts} == set(qat_sweep.METHODS)
   assert {p['quant.bits'] for p in pts} == {8, 4, 3, 2}
   c = _config(trained, tmp_path)
-  rows = qat_exp.run_qat_sweep(c, [{'quant.bits': 1, 'quant.method': 'qat'}],
+  rows = pipeline.run_qat_sweep(c, [{'quant.bits': 1, 'quant.method': 'qat'}],
                                log=lambda s: None)
   assert rows[1]['status'] == 'error' and 'ValueError' in rows[1]['error']
   assert 'bits=1' in rows[1]['error']
@@ -82,13 +77,12 @@ def test_sweep_declares_the_full_grid_and_rejects_one_bit(trained, tmp_path):
 
 def test_kv_qat_point_serves_and_records_its_cache_format(trained, tmp_path):
   """qat.kv: trained and evaluated with the int4 cache, recorded, reloaded with it."""
-  from experiments import qat as qat_exp  # pylint: disable=g-import-not-at-top
   from qjax.checkpoints import load_quantized  # pylint: disable=g-import-not-at-top
   from qjax.nn import kv_format  # pylint: disable=g-import-not-at-top
   c = _config(trained, tmp_path)
   c.qat.kv = 'int4'
   points = [{'quant.bits': 8, 'quant.group_size': 32, 'quant.method': m} for m in ('rtn', 'qat')]
-  rows = qat_exp.run_qat_sweep(c, points, log=lambda s: None)
+  rows = pipeline.run_qat_sweep(c, points, log=lambda s: None)
   assert [r['name'] for r in rows] == ['float', 'rtn-int8-g32-kvint4', 'qat-int8-g32-kvint4']
   assert all(r['status'] == 'ok' for r in rows), [r.get('error') for r in rows]
   kv = rows[2]
@@ -103,13 +97,12 @@ def test_kv_qat_point_serves_and_records_its_cache_format(trained, tmp_path):
 
 def test_qat_point_from_gptq_with_pact(trained, tmp_path):
   """qat.init='gptq' starts QAT from a calibrated PTQ result; qat.pact learns W8A8 clips."""
-  from experiments import qat as qat_exp  # pylint: disable=g-import-not-at-top
   c = _config(trained, tmp_path)
   c.qat.init, c.qat.pact = 'gptq', 4.0
   c.calib.num_sequences, c.calib.seq_len, c.calib.batch_size = 4, 16, 4
   points = [{'quant.bits': 4, 'quant.group_size': 32, 'quant.act': 'int8',
              'quant.method': 'qat'}]
-  rows = qat_exp.run_qat_sweep(c, points, log=lambda s: None)
+  rows = pipeline.run_qat_sweep(c, points, log=lambda s: None)
   r = rows[-1]
   assert r['status'] == 'ok', r.get('error')
   assert r['name'] == 'qat-int4-g32-aint8-fromgptq-pact4' and r['reload_bit_identical']
@@ -119,5 +112,5 @@ def test_qat_point_from_gptq_with_pact(trained, tmp_path):
   assert r['init_calibration_tokens_sha256'] == init['data']['token_sha256']
   assert record['act_clip_paths']  # PACT clips saved and rebuilt on load
   c.qat.init = 'hqq'
-  bad = qat_exp.run_qat_sweep(c, points, log=lambda s: None)[-1]
+  bad = pipeline.run_qat_sweep(c, points, log=lambda s: None)[-1]
   assert bad['status'] == 'error' and "qat.init='hqq'" in bad['error']
