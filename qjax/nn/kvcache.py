@@ -4,13 +4,16 @@ Every read and write of cached keys and values goes through this module, so that
 sharded or quantized caches can replace `KVCache` without touching the attention code.
 
 Layout: one (k_BSKH, v_BSKH) pair per layer, S = the cache's max length, keys stored after
-RoPE. Slot s of every row holds position s; `length_B` (int32, one entry per row) is the
-number of positions written to each row, so the rows of one batch may hold sequences of
-different lengths (a ragged batch: rows prefilled apart and stacked, or a batch whose rows
-finish at different steps). A step writes T new positions at slot `length[b]` of row b in
-every layer (`write`), then the model advances every row's length by T once (`advance`).
-Slots at or beyond `length[b] + T` hold zeros or stale keys; they sit at positions later than
-every query of that row, so the causal mask already hides them.
+RoPE. Slot s of every row holds position s; `length` (int32 of shape (B,)) is the number of
+positions written to each row, so the rows of one batch may hold sequences of different
+lengths (a ragged batch: rows prefilled apart and stacked, or a batch whose rows finish at
+different steps). A step writes T new positions at slot `length[b]` of row b in every layer
+(`write`), then the model advances every row's length by T once (`advance`). Slots at or
+beyond `length[b] + T` hold zeros or stale keys; they sit at positions later than every
+query of that row, so the causal mask already hides them. `write` puts each new key at the
+slot of its position, so attention under a sharded layout writes the rows it holds without
+reading `length` (which `qjax.sharding` keeps replicated: positions are computed from it
+outside attention, where every shard wants them whole).
 
 Every layer keeps S slots, local ones too (a ring buffer of the window is a later
 optimisation; it changes only this module).
@@ -186,8 +189,25 @@ def same_format(a: Optional[QFormat], b: Optional[QFormat]) -> bool:
   return norm(a) == norm(b)
 
 
-def write(cache: KVCache, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array) -> KVCache:
-  """Write T new keys/values of `layer` to each row b at slot `cache.length[b]` (no advance)."""
+def write(cache: KVCache, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array,
+          positions_BT: Optional[jax.Array] = None) -> KVCache:
+  """Write T new keys/values of `layer` to the slots of their positions (does not advance).
+
+  Args:
+    cache: the cache.
+    layer: the layer whose keys/values these are.
+    k_BTKH: new keys (after RoPE).
+    v_BTKH: new values.
+    positions_BT: their positions, consecutive in each row (default `next_positions(cache,
+      T)`: row b at slot `cache.length[b]`). Attention passes the positions it rotated by,
+      so under a sharded layout a shard writes its own rows without reading `length`.
+
+  Returns:
+    The cache with row b's T new entries at slots positions_BT[b, 0] onwards.
+  """
+  if positions_BT is None:
+    positions_BT = next_positions(cache, k_BTKH.shape[1])
+  start_B = positions_BT[:, 0].astype(jnp.int32)
   # One dynamic_update_slice per row, vmapped over B (a scatter of T slots per row): rows
   # may sit at different lengths, and nothing outside the T new slots is read or rewritten.
   put_row = jax.vmap(lambda old_S, new_T, start: jax.lax.dynamic_update_slice_in_dim(
@@ -197,9 +217,9 @@ def write(cache: KVCache, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array) -> K
     old = arrs[layer]
     if isinstance(old, QArray):  # quantize on write; every leaf has B on axis 0, S on axis 1
       new = quantize(new.astype(old.dtype), old.fmt)
-      upd = jax.tree.map(lambda o, n: put_row(o, n, cache.length), old, new)
+      upd = jax.tree.map(lambda o, n: put_row(o, n, start_B), old, new)
     else:
-      upd = put_row(old, new, cache.length)
+      upd = put_row(old, new, start_B)
     return arrs[:layer] + (upd,) + arrs[layer + 1:]
   return dataclasses.replace(cache, k=put(cache.k, k_BTKH), v=put(cache.v, v_BTKH))
 

@@ -173,12 +173,9 @@ def cache_shardings(cache: KVCache, rules: Rules, mesh) -> KVCache:
     if isinstance(a, QArray):
       return QArray(s[0], s[1], s[2] if len(s) > 2 else None, a.fmt, a.last_dim, a.dtype_name)
     return s[0]
-  # The per-row lengths split like the cache's rows: attention's shard_map hands each shard
-  # its own rows of the cache, and their lengths with them.
-  batch_axes = rules.mesh_axes_of((ax.KV_CACHE_AXES[0],), 'KV cache length')
   return KVCache(k=tuple(one(a, f'KV cache k[{i}]') for i, a in enumerate(cache.k)),
                  v=tuple(one(a, f'KV cache v[{i}]') for i, a in enumerate(cache.v)),
-                 length=NamedSharding(mesh, to_spec(batch_axes)))
+                 length=NamedSharding(mesh, PartitionSpec()))
 
 
 def shard_bytes(value, sharding: NamedSharding) -> int:
