@@ -60,20 +60,19 @@ def resolve_options(method: str, options: Optional[dict]) -> dict:
 
 
 def _embed_fwd(model: Transformer, tokens_BT):
-  """The input of block 0 (Transformer.__call__'s prologue)."""
-  x = model.embed.lookup(tokens_BT, model.config.compute_dtype)
-  if model.config.embed_scale:
-    x = x * jnp.asarray(model.config.d_model ** 0.5, model.config.compute_dtype)
-  return x
+  """The input of block 0: the model's own prologue."""
+  return model.embed_tokens(tokens_BT)
 
 
 def _block_fwd(block, x_BTD):
+  """One block's cache-free forward at positions 0..T-1 (what `Transformer.blocks` runs)."""
   b, t = x_BTD.shape[:2]
   return block(x_BTD, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), None)[0]
 
 
 def _head_fwd(model: Transformer, x_BTD):
-  return model.lm_head(model.final_norm(x_BTD), out_dtype=jnp.float32)
+  """The logits of the last block's output: the model's own epilogue (norm, head, softcap)."""
+  return model.logits(x_BTD)
 
 
 # ---- one stage, per method ----------------------------------------------------------------

@@ -4,6 +4,7 @@
     model = Transformer(TransformerConfig.tiny(), rngs=nnx.Rngs(0))
     logits_BTV = model(tokens_BT)                              # full causal forward
     logits_BTV, cache = model(prompt_BT, cache=init_cache(cfg, B, S))   # prefill, then decode
+    # model(tokens_BT) == model.logits(model.blocks(model.embed_tokens(tokens_BT), positions_BT)[0])
     qmodel, report = quantize_model(model, QuantPolicy((QuantRule('.*', int_format(8)),)))
 """
 

@@ -119,8 +119,9 @@ class Attention(nnx.Module):
 
     Args:
       x_BTD: normed inputs.
-      positions_BT: positions of the T inputs.
-      cache: None (keys are the inputs themselves) or the KV cache.
+      positions_BT: positions of the T inputs of each row.
+      cache: None (keys are the inputs themselves) or the KV cache; the new keys/values go to
+        the slots of their positions.
 
     Returns:
       (out_BTD, cache); cache is None when None was given.
@@ -147,7 +148,7 @@ class Attention(nnx.Module):
     if cache is None:
       k_BSKH, v_BSKH, k_pos_BS = k_BTKH, v_BTKH, positions_BT
     else:
-      cache = kvcache.write(cache, self.layer, k_BTKH, v_BTKH)
+      cache = kvcache.write(cache, self.layer, k_BTKH, v_BTKH, positions_BT)
       k_BSKH, v_BSKH, k_pos_BS = kvcache.read(cache, self.layer)
     out_BTNH = attend(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
                       positions_BT, k_pos_BS, window=self.window,

@@ -4,11 +4,16 @@ Every read and write of cached keys and values goes through this module, so that
 sharded or quantized caches can replace `KVCache` without touching the attention code.
 
 Layout: one (k_BSKH, v_BSKH) pair per layer, S = the cache's max length, keys stored after
-RoPE. Slot s holds position s; `length` (an int32 scalar, shared by the batch) is the number
-of positions written. A step writes T new positions at slot `length` of every layer
-(`write`), then the model advances `length` by T once (`advance`). Slots at or beyond
-`length + T` hold zeros; they sit at positions later than every query, so the causal mask
-already hides them.
+RoPE. Slot s of every row holds position s; `length` (int32 of shape (B,)) is the number of
+positions written to each row, so the rows of one batch may hold sequences of different
+lengths (a ragged batch: rows prefilled apart and stacked, or a batch whose rows finish at
+different steps). A step writes T new positions at slot `length[b]` of row b in every layer
+(`write`), then the model advances every row's length by T once (`advance`). Slots at or
+beyond `length[b] + T` hold zeros or stale keys; they sit at positions later than every
+query of that row, so the causal mask already hides them. `write` puts each new key at the
+slot of its position, so attention under a sharded layout writes the rows it holds without
+reading `length` (which `qjax.sharding` keeps replicated: positions are computed from it
+outside attention, where every shard wants them whole).
 
 Every layer keeps S slots, local ones too (a ring buffer of the window is a later
 optimisation; it changes only this module).
@@ -28,6 +33,7 @@ from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qjax.core import (QArray, QFormat, dequantize, fake_quant, fp8_format, int_format,
                        quantize)
@@ -51,7 +57,8 @@ class KVCache:
   Attributes:
     k: per layer, keys k_BSKH (after RoPE), in the cache dtype or as a QArray.
     v: per layer, values v_BSKH.
-    length: int32 scalar, positions written so far (the next write goes to this slot).
+    length: int32 of shape (B,): positions written so far to each row (row b's next write
+      goes to slot length[b]).
   """
 
   k: tuple[Union[jax.Array, QArray], ...]
@@ -99,7 +106,7 @@ def init_cache(config: TransformerConfig, batch: int, max_len: Optional[int] = N
       token and kv head (channel axes 0, 1, 2 of k_BSKH; groups only along H).
 
   Returns:
-    A KVCache of zeros with length 0.
+    A KVCache of zeros; every row's length is 0.
   """
   max_len = config.max_len if max_len is None else max_len
   if not 1 <= max_len <= config.max_len:
@@ -114,20 +121,32 @@ def init_cache(config: TransformerConfig, batch: int, max_len: Optional[int] = N
     if fmt is not None:  # all-zero groups quantize to codes 0, scale 1
       return tuple(quantize(jnp.zeros(shape, dtype), fmt) for _ in range(config.num_layers))
     return tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-  return KVCache(k=zeros(), v=zeros(), length=jnp.zeros((), jnp.int32))
+  return KVCache(k=zeros(), v=zeros(), length=jnp.zeros((batch,), jnp.int32))
 
 
 def check_fits(cache: KVCache, num_new: int) -> None:
-  """Raise if `num_new` more positions cannot fit (checked on lengths known in Python)."""
+  """Raise if `num_new` more positions cannot fit in every row.
+
+  The lengths are checked where they are known in Python (not under jit, and only where this
+  process holds every row); `num_new` always is.
+  """
+  if cache.length.shape != (cache.batch,):
+    raise ValueError(f'KV cache: length has shape {cache.length.shape}, but a cache of batch '
+                     f'{cache.batch} keeps one length per row, shape ({cache.batch},); build '
+                     'it with init_cache(config, batch).')
   if num_new > cache.max_len:
     raise ValueError(f'KV cache: a prompt of {num_new} tokens is longer than the cache '
                      f'max_len={cache.max_len}; build the cache with init_cache(..., '
                      f'max_len>={num_new}) or shorten the prompt.')
-  if not isinstance(cache.length, jax.core.Tracer):
-    length = int(cache.length)
-    if length + num_new > cache.max_len:
-      raise ValueError(f'KV cache: {length} cached + {num_new} new tokens exceed the cache '
-                       f'max_len={cache.max_len}; build a longer cache or stop generating.')
+  if isinstance(cache.length, jax.core.Tracer) or not getattr(
+      cache.length, 'is_fully_addressable', True):
+    return
+  lengths = np.asarray(cache.length)
+  row = int(np.argmax(lengths))
+  if int(lengths[row]) + num_new > cache.max_len:
+    raise ValueError(f'KV cache: row {row} has {int(lengths[row])} cached + {num_new} new '
+                     f'tokens exceed the cache max_len={cache.max_len}; build a longer cache '
+                     'or stop generating.')
 
 
 def check_format(fmt: Union[None, str, QFormat], head_dim: Optional[int] = None,
@@ -170,17 +189,37 @@ def same_format(a: Optional[QFormat], b: Optional[QFormat]) -> bool:
   return norm(a) == norm(b)
 
 
-def write(cache: KVCache, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array) -> KVCache:
-  """Write T new keys/values of `layer` at slot `cache.length` (does not advance)."""
+def write(cache: KVCache, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array,
+          positions_BT: Optional[jax.Array] = None) -> KVCache:
+  """Write T new keys/values of `layer` to the slots of their positions (does not advance).
+
+  Args:
+    cache: the cache.
+    layer: the layer whose keys/values these are.
+    k_BTKH: new keys (after RoPE).
+    v_BTKH: new values.
+    positions_BT: their positions, consecutive in each row (default `next_positions(cache,
+      T)`: row b at slot `cache.length[b]`). Attention passes the positions it rotated by,
+      so under a sharded layout a shard writes its own rows without reading `length`.
+
+  Returns:
+    The cache with row b's T new entries at slots positions_BT[b, 0] onwards.
+  """
+  if positions_BT is None:
+    positions_BT = next_positions(cache, k_BTKH.shape[1])
+  start_B = positions_BT[:, 0].astype(jnp.int32)
+  # One dynamic_update_slice per row, vmapped over B (a scatter of T slots per row): rows
+  # may sit at different lengths, and nothing outside the T new slots is read or rewritten.
+  put_row = jax.vmap(lambda old_S, new_T, start: jax.lax.dynamic_update_slice_in_dim(
+      old_S, new_T.astype(old_S.dtype), start, axis=0))
+
   def put(arrs, new):
     old = arrs[layer]
-    if isinstance(old, QArray):  # quantize on write; every leaf has S on axis 1
+    if isinstance(old, QArray):  # quantize on write; every leaf has B on axis 0, S on axis 1
       new = quantize(new.astype(old.dtype), old.fmt)
-      upd = jax.tree.map(lambda o, n: jax.lax.dynamic_update_slice_in_dim(
-          o, n.astype(o.dtype), cache.length, axis=1), old, new)
+      upd = jax.tree.map(lambda o, n: put_row(o, n, start_B), old, new)
     else:
-      upd = jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), cache.length,
-                                                axis=1)
+      upd = put_row(old, new, start_B)
     return arrs[:layer] + (upd,) + arrs[layer + 1:]
   return dataclasses.replace(cache, k=put(cache.k, k_BTKH), v=put(cache.v, v_BTKH))
 
@@ -222,7 +261,11 @@ def through_format(fmt: Optional[QFormat], k_BTKH: jax.Array, v_BTKH: jax.Array,
 
 
 def read(cache: KVCache, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(k_BSKH, v_BSKH, positions_1S) of `layer`; slot s holds position s."""
+  """(k_BSKH, v_BSKH, positions_1S) of `layer`; slot s holds position s in every row.
+
+  Every row is read whole: a row's slots at or past its own `length[b] + T` sit at positions
+  later than its queries (`next_positions`), so the causal mask on those hides them.
+  """
   pos_1S = jnp.arange(cache.max_len, dtype=jnp.int32)[None]
   k, v = cache.k[layer], cache.v[layer]
   if isinstance(k, QArray):
@@ -231,14 +274,13 @@ def read(cache: KVCache, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def next_positions(cache: KVCache, num_new: int) -> jax.Array:
-  """Positions of the next `num_new` tokens, shape (B, T)."""
-  pos_T = cache.length + jnp.arange(num_new, dtype=jnp.int32)
-  return jnp.broadcast_to(pos_T, (cache.batch, num_new))
+  """Positions of the next `num_new` tokens of each row: `length[b] + 0..T-1`, shape (B, T)."""
+  return cache.length[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
 
 
-def advance(cache: KVCache, num_new: int) -> KVCache:
-  """The cache after a step that wrote `num_new` positions to every layer."""
-  return dataclasses.replace(cache, length=cache.length + num_new)
+def advance(cache: KVCache, num_new: Union[int, jax.Array]) -> KVCache:
+  """The cache after a step that wrote `num_new` positions (an int, or one per row) to it."""
+  return dataclasses.replace(cache, length=cache.length + jnp.asarray(num_new, jnp.int32))
 
 
 def nbytes(cache: KVCache) -> int:

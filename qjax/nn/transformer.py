@@ -2,11 +2,18 @@
 
 Calling convention (one method, two uses):
 
-* `model(tokens_BT)` / `model(tokens_BT, positions=positions_BT)` -> logits_BTV: a full
+* `model(tokens_BT)` / `model(tokens_BT, positions_BT=positions_BT)` -> logits_BTV: a full
   causal forward pass (training, scoring).
 * `model(tokens_BT, cache=cache)` -> (logits_BTV, new_cache): prefill (T = prompt length)
   or incremental decode (T = 1, or more for speculative drafts) against a KV cache from
-  `init_cache`; positions continue from `cache.length`.
+  `init_cache`; each row's positions continue from its own `cache.length[b]`.
+
+`__call__` is the composition of three public phases, which callers that walk the model
+(calibration, probes) use instead of restating them:
+
+    x_BTD = model.embed_tokens(tokens_BT)                  # lookup, sqrt(D) scaling
+    x_BTD, cache = model.blocks(x_BTD, positions_BT, cache)   # every Block (model.layers)
+    logits_BTV = model.logits(x_BTD)                       # final norm, head, final softcap
 
 Logits are float32 whatever the compute dtype.
 """
@@ -97,18 +104,64 @@ class Transformer(nnx.Module):
       self.lm_head = Einsum('BTD,DV->BTV', (config.d_model, config.vocab_size),
                             axes.WEIGHT_AXES['DV'], rngs=rngs, param_dtype=pd)
 
+  def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
+    """The input of block 0: the embedding rows of `tokens_BT` in the compute dtype.
+
+    Args:
+      tokens_BT: int token ids.
+
+    Returns:
+      x_BTD, scaled by sqrt(D) when `config.embed_scale` (Gemma).
+    """
+    cfg = self.config
+    x_BTD = self.embed.lookup(tokens_BT, cfg.compute_dtype)
+    if cfg.embed_scale:
+      x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, cfg.compute_dtype)
+    return x_BTD
+
+  def blocks(self, x_BTD: jax.Array, positions_BT: jax.Array,
+             cache: Optional[kvcache.KVCache] = None):
+    """Every block of `self.layers` in order.
+
+    Args:
+      x_BTD: the input of block 0 (`embed_tokens`).
+      positions_BT: positions of the T inputs of each row.
+      cache: None, or a KV cache each layer writes its new keys/values to, at each row's slot
+        `cache.length[b]` (the caller advances it; `__call__` does).
+
+    Returns:
+      (x_BTD, cache): the last block's output, and the cache (None when None was given).
+    """
+    for block in self.layers:
+      x_BTD, cache = block(x_BTD, positions_BT, cache)
+    return x_BTD, cache
+
+  def logits(self, x_BTD: jax.Array) -> jax.Array:
+    """The output phase: final norm, LM head (the embedding when tied), final softcap.
+
+    Args:
+      x_BTD: the last block's output.
+
+    Returns:
+      logits_BTV in float32.
+    """
+    head = self.embed if self.lm_head is None else self.lm_head
+    logits_BTV = head(self.final_norm(x_BTD), out_dtype=jnp.float32)
+    return softcap(logits_BTV, self.config.final_logit_softcap)
+
   def __call__(self, tokens_BT: jax.Array, cache: Optional[kvcache.KVCache] = None,
-               positions: Optional[jax.Array] = None):
-    """Logits of every position.
+               positions_BT: Optional[jax.Array] = None):
+    """Logits of every position: `logits(blocks(embed_tokens(tokens_BT), ...))`.
 
     Args:
       tokens_BT: int token ids.
       cache: None for a full forward pass, or a KV cache to prefill / decode against.
-      positions: positions_BT for a cache-free pass (default 0..T-1); with a cache they are
-        `cache.length + 0..T-1` and passing them is an error.
+      positions_BT: positions for a cache-free pass (default 0..T-1 in every row); with a
+        cache they are `cache.length[b] + 0..T-1` per row and passing them is an error.
 
     Returns:
-      logits_BTV (float32) without a cache; (logits_BTV, new_cache) with one.
+      logits_BTV (float32) without a cache; (logits_BTV, new_cache) with one, every row's
+      length advanced by T.
     """
     cfg = self.config
     b, t = tokens_BT.shape
@@ -116,27 +169,21 @@ class Transformer(nnx.Module):
       if t > cfg.max_len:
         raise ValueError(f'Transformer: a sequence of {t} tokens is longer than '
                          f'config.max_len={cfg.max_len}; truncate it or raise max_len.')
-      if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+      if positions_BT is None:
+        positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     else:
-      if positions is not None:
-        raise ValueError('Transformer: positions with a cache are cache.length + 0..T-1; '
-                         'pass positions=None.')
+      if positions_BT is not None:
+        raise ValueError('Transformer: positions with a cache are cache.length[b] + 0..T-1 '
+                         'per row; pass positions_BT=None.')
       if cache.batch != b or cache.num_layers != cfg.num_layers:
         raise ValueError(f'Transformer: cache has batch {cache.batch} and {cache.num_layers} '
                          f'layers, tokens have batch {b} and the model {cfg.num_layers} '
                          'layers; build it with init_cache(config, batch).')
       kvcache.check_fits(cache, t)
-      positions = kvcache.next_positions(cache, t)
+      positions_BT = kvcache.next_positions(cache, t)
 
-    x_BTD = self.embed.lookup(tokens_BT, cfg.compute_dtype)
-    if cfg.embed_scale:
-      x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, cfg.compute_dtype)
-    for block in self.layers:
-      x_BTD, cache = block(x_BTD, positions, cache)
-    x_BTD = self.final_norm(x_BTD)
-    head = self.embed if self.lm_head is None else self.lm_head
-    logits_BTV = softcap(head(x_BTD, out_dtype=jnp.float32), cfg.final_logit_softcap)
+    x_BTD, cache = self.blocks(self.embed_tokens(tokens_BT), positions_BT, cache)
+    logits_BTV = self.logits(x_BTD)
     if cache is None:
       return logits_BTV
     return logits_BTV, kvcache.advance(cache, t)

@@ -98,13 +98,17 @@ def test_calibration_set_checks_and_hash():
 
 @pytest.mark.parametrize('tied', [True, False])
 def test_the_block_walk_reproduces_the_model(tied):
-  """apply_method's walk (prologue, blocks, head) is the model's own forward."""
-  model = Transformer(TransformerConfig.tiny(tie_embeddings=tied, embed_scale=True),
-                      rngs=nnx.Rngs(4))
+  """apply_method's walk (prologue, blocks, head) is the model's own forward.
+
+  With a final logit softcap: the head step once dropped it (it restated the epilogue).
+  """
+  cfg = TransformerConfig.tiny(tie_embeddings=tied, embed_scale=True, final_logit_softcap=0.5)
+  model = Transformer(cfg, rngs=nnx.Rngs(4))
   tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, 256)
   x = forward(model, _embed_fwd, tokens)
   for blk in model.layers:
     x = forward(blk, _block_fwd, x)
-  y = forward(model, _head_fwd, x) if not tied else model.embed(model.final_norm(x),
-                                                                  out_dtype=jnp.float32)
+  y = forward(model, _head_fwd, x)
   np.testing.assert_allclose(y, model(tokens), rtol=1e-5, atol=1e-5)
+  uncapped = Transformer(cfg.replace(final_logit_softcap=None), rngs=nnx.Rngs(4))
+  assert np.abs(uncapped(tokens)).max() > 0.5  # so a dropped softcap would show

@@ -1,6 +1,8 @@
-"""The transformer: cached decode == full forward, causality, windows, errors, jit, training."""
+"""The transformer: cached decode == full forward, ragged rows, phases, causality, windows,
+errors, jit, training."""
 
-import chex
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 from absl.testing import parameterized
 from flax import nnx
 
-from qjax.nn import Transformer, TransformerConfig, greedy_generate, init_cache
+from qjax.nn import Transformer, TransformerConfig, greedy_generate, init_cache, kvcache
 
 CONFIGS = {
     'mha': dict(num_kv_heads=4),
@@ -26,15 +28,14 @@ def _tokens(b, t, seed=0, vocab=256):
   return jax.random.randint(jax.random.key(seed), (b, t), 0, vocab)
 
 
-class DecodeTest(chex.TestCase):
+class DecodeTest(parameterized.TestCase):
 
-  @chex.variants(with_jit=True, without_jit=True)
   @parameterized.named_parameters(*[(k, k) for k in CONFIGS])
   def test_incremental_decode_matches_full_forward(self, name):
     cfg = TransformerConfig.tiny(**CONFIGS[name])
     graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    full = self.variant(lambda s, tok: nnx.merge(graphdef, s)(tok))
-    step = self.variant(lambda s, tok, c: nnx.merge(graphdef, s)(tok, cache=c))
+    full = jax.jit(lambda s, tok: nnx.merge(graphdef, s)(tok))
+    step = jax.jit(lambda s, tok, c: nnx.merge(graphdef, s)(tok, cache=c))
     tokens = _tokens(2, 10)
     expected = full(state, tokens)
     cache = init_cache(cfg, 2, 12)
@@ -45,8 +46,96 @@ class DecodeTest(chex.TestCase):
       chunks.append(logits)
     logits, cache = step(state, tokens[:, 8:], cache)  # a 2-token chunk
     chunks.append(logits)
-    assert int(cache.length) == 10
+    np.testing.assert_array_equal(cache.length, [10, 10])
     np.testing.assert_allclose(jnp.concatenate(chunks, 1), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_eager_decode_matches_full_forward():
+  """Unjitted, a 3-token prefill and 2 decode steps (the jitted test covers every config)."""
+  cfg = TransformerConfig.tiny(**CONFIGS['gemma_like'])
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  tokens = _tokens(1, 5)
+  logits, cache = model(tokens[:, :3], cache=init_cache(cfg, 1, 5))
+  chunks = [logits]
+  for i in (3, 4):
+    logits, cache = model(tokens[:, i:i + 1], cache=cache)
+    chunks.append(logits)
+  np.testing.assert_array_equal(cache.length, [5])
+  np.testing.assert_allclose(jnp.concatenate(chunks, 1), model(tokens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('fmt', [None, 'int8'])
+def test_rows_at_different_lengths_decode_as_if_alone(fmt):
+  """A ragged batch: each row keeps its own length, positions and mask."""
+  cfg = TransformerConfig.tiny(**CONFIGS['gemma_like'])  # windows and softcaps too
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+  step = jax.jit(lambda s, tok, c: nnx.merge(graphdef, s)(tok, cache=c))
+  prompts = [_tokens(1, 7, seed=1), _tokens(1, 4, seed=2)]
+  next_BT = _tokens(2, 3, seed=3)  # three decode steps
+
+  def decode(cache, rows):
+    chunks = []
+    for j in range(next_BT.shape[1]):
+      logits, cache = step(state, next_BT[rows, j:j + 1], cache)
+      chunks.append(logits)
+    return np.asarray(jnp.concatenate(chunks, 1)), cache
+
+  prefilled, alone = [], []
+  for i, prompt in enumerate(prompts):
+    _, cache = step(state, prompt, init_cache(cfg, 1, 12, fmt=fmt))
+    prefilled.append(cache)
+    alone.append(decode(cache, slice(i, i + 1))[0][0])
+
+  # Written row by row: the rows prefilled alone, stacked into one batch of 2.
+  cache = jax.tree.map(lambda *rows: jnp.concatenate(rows), *prefilled)
+  np.testing.assert_array_equal(cache.length, [7, 4])
+  np.testing.assert_array_equal(kvcache.next_positions(cache, 2), [[7, 8], [4, 5]])
+  together, cache = decode(cache, slice(None))
+  np.testing.assert_array_equal(cache.length, [10, 7])
+  for i in range(2):
+    np.testing.assert_allclose(together[i], alone[i], atol=1e-6, rtol=1e-6)
+  with pytest.raises(ValueError, match='row 0 has 10 cached \\+ 3 new tokens exceed the '
+                                       'cache max_len=12'):
+    nnx.merge(graphdef, state)(next_BT, cache=cache)  # eager: the lengths are known
+
+  # Prefilled together with the short prompt right-padded, then its length set back: the
+  # padding's keys sit past the row's positions (masked) until decode overwrites them.
+  padded = jnp.concatenate([prompts[0], jnp.pad(prompts[1], ((0, 0), (0, 3)))])
+  _, cache = step(state, padded, init_cache(cfg, 2, 12, fmt=fmt))
+  cache = dataclasses.replace(cache, length=jnp.asarray([7, 4], jnp.int32))
+  together = decode(cache, slice(None))[0]
+  for i in range(2):
+    np.testing.assert_allclose(together[i], alone[i], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize('name', ['mqa_all_local', 'gemma_like'])
+def test_the_phases_compose_to_the_forward(name):
+  """embed_tokens -> blocks (or each of model.layers) -> logits is model(tokens)."""
+  model = Transformer(TransformerConfig.tiny(**CONFIGS[name]), rngs=nnx.Rngs(2))
+  tokens = _tokens(2, 6)
+  positions_BT = jnp.broadcast_to(jnp.arange(6), (2, 6))
+  want = model(tokens)
+  x_BTD = model.embed_tokens(tokens)
+  out_BTD, cache = model.blocks(x_BTD, positions_BT)
+  assert cache is None
+  np.testing.assert_array_equal(model.logits(out_BTD), want)
+  for block in model.layers:
+    x_BTD, _ = block(x_BTD, positions_BT)
+  np.testing.assert_array_equal(model.logits(x_BTD), want)
+
+
+@pytest.mark.parametrize('tied', [True, False])
+def test_logits_apply_the_final_softcap(tied):
+  cfg = TransformerConfig.tiny(tie_embeddings=tied, final_logit_softcap=0.5)
+  capped = Transformer(cfg, rngs=nnx.Rngs(3))
+  plain = Transformer(cfg.replace(final_logit_softcap=None), rngs=nnx.Rngs(3))
+  x_BTD = capped.blocks(capped.embed_tokens(_tokens(2, 6)),
+                        jnp.broadcast_to(jnp.arange(6), (2, 6)))[0]
+  raw = np.asarray(plain.logits(x_BTD))
+  assert np.abs(raw).max() > 0.5  # the cap changes these logits
+  got = np.asarray(capped.logits(x_BTD))
+  assert np.abs(got).max() < 0.5
+  np.testing.assert_allclose(got, 0.5 * np.tanh(raw / 0.5), rtol=1e-6, atol=1e-7)
 
 
 @pytest.fixture(scope='module')
@@ -86,15 +175,15 @@ def test_too_long_prompts_raise_naming_both_lengths(gqa_model):
     gqa_model(_tokens(1, 3), cache=cache)
   with pytest.raises(ValueError, match='max_len=100 must be in'):
     init_cache(cfg, 1, 100)
-  with pytest.raises(ValueError, match='positions=None'):
-    gqa_model(_tokens(1, 3), cache=init_cache(cfg, 1, 8), positions=jnp.zeros((1, 3), int))
+  with pytest.raises(ValueError, match='positions_BT=None'):
+    gqa_model(_tokens(1, 3), cache=init_cache(cfg, 1, 8), positions_BT=jnp.zeros((1, 3), int))
 
 
 def test_jit_forward_and_explicit_positions(gqa_model):
   tokens = _tokens(2, 6)
   jitted = nnx.jit(lambda m, t: m(t))(gqa_model, tokens)
   np.testing.assert_allclose(jitted, gqa_model(tokens), atol=1e-5)
-  shifted = gqa_model(tokens, positions=jnp.broadcast_to(jnp.arange(6) + 3, (2, 6)))
+  shifted = gqa_model(tokens, positions_BT=jnp.broadcast_to(jnp.arange(6) + 3, (2, 6)))
   np.testing.assert_allclose(shifted, gqa_model(tokens), atol=1e-4)  # RoPE is relative
 
 

@@ -46,7 +46,8 @@ def test_bytes_match_the_layout(eight_devices, layout, mesh_shape):
   c = lib.config(k)
   total = 2 * c.num_layers * lib.B * lib.S * c.num_kv_heads * c.head_dim * 4
   predicted = total // _kv_shards(sm.rules['decode'], mesh)
-  assert _held(cache) - 4 == sm.kv_bytes_per_device(cache) - 4 == predicted  # 4: length
+  lengths = 4 * lib.B  # one int32 per row, replicated
+  assert _held(cache) - lengths == sm.kv_bytes_per_device(cache) - lengths == predicted
   if mesh_shape == '2x2x2':  # the cost model rejects degenerate meshes such as 1x2x4 for 2D
     est = costmodel.estimate(m, 'tpu_v4', '2x2x2', layout, costmodel.Workload(
         batch=lib.B, prompt_len=lib.T, gen_len=lib.STEPS, kv_bits=32), phase='decode')
@@ -65,7 +66,8 @@ def test_quantized_cache_bytes_divided_by_the_batch_shards(eight_devices, fmt):
   code_bytes = c.head_dim * bits // 8   # int4 packed two codes per byte
   scale_bytes = 4                       # one f32 scale per token and kv head
   total = tokens_heads * (code_bytes + scale_bytes)
-  assert _held(cache) - 4 == sm.kv_bytes_per_device(cache) - 4 == total // 8
+  lengths = 4 * lib.B  # one int32 per row, replicated
+  assert _held(cache) - lengths == sm.kv_bytes_per_device(cache) - lengths == total // 8
   est = costmodel.estimate(lib.model_shape(1), 'tpu_v4', '2x2x2', '2d_ws+mq_batch',
                            costmodel.Workload(batch=lib.B, prompt_len=lib.T,
                                               gen_len=lib.STEPS, kv_bits=bits),

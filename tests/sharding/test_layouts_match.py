@@ -54,7 +54,7 @@ def test_prefill_and_decode_layouts_differ_over_the_same_weights(eight_devices):
   assert sm.record(cache) == {
       'mesh': '2x2x2', 'prefill_layout': 'wg_xyz+mq_batch', 'decode_layout': '2d_ws+mq_batch',
       'weight_bytes_per_device': sm.weight_bytes_per_device(), 'kv_format': 'float32',
-      'kv_bytes_per_device': 2 * 2 * lib.B * lib.S * 16 * 4 // 8 + 4}
+      'kv_bytes_per_device': 2 * 2 * lib.B * lib.S * 16 * 4 // 8 + 4 * lib.B}
 
 
 @pytest.mark.parametrize('layout', ['2d_ws+mq_batch', 'wg_xy+mq_heads', '1d_ws+multihead'])

@@ -28,6 +28,22 @@ def test_write_then_read_is_the_quantized_value(fmt):
   np.testing.assert_array_equal(kvcache.read(later, 0)[0][:, :3], k_read[:, :3])
 
 
+@pytest.mark.parametrize('fmt', [None, 'int8'])
+def test_each_row_is_written_at_its_own_length(fmt):
+  cfg = lib.config(1)
+  cache = kvcache.advance(init_cache(cfg, batch=2, max_len=8, fmt=fmt), jnp.asarray([1, 4]))
+  np.testing.assert_array_equal(kvcache.next_positions(cache, 2), [[1, 2], [4, 5]])
+  k = jax.random.normal(jax.random.key(0), (2, 2, 1, 16))
+  k_read = kvcache.read(kvcache.write(cache, 1, k, k), 1)[0]
+  want = k if fmt is None else dequantize(quantize(k, kvcache.KV_FORMATS[fmt]))
+  np.testing.assert_array_equal(k_read[0, 1:3], want[0])
+  np.testing.assert_array_equal(k_read[1, 4:6], want[1])
+  np.testing.assert_array_equal(k_read[0, 3:], 0.0)   # nothing else is written
+  np.testing.assert_array_equal(k_read[1, :4], 0.0)
+  np.testing.assert_array_equal(kvcache.read(cache, 0)[0], 0.0)  # nor another layer
+  np.testing.assert_array_equal(kvcache.advance(cache, 2).length, [3, 6])
+
+
 def test_format_is_recorded_and_bytes_shrink():
   cfg = lib.config(1)
   f32 = init_cache(cfg, 8, 22)
@@ -36,8 +52,9 @@ def test_format_is_recorded_and_bytes_shrink():
   assert init_cache(cfg, 8, 22, fmt='fp8').format == 'fp8e4m3-ch012'
   assert int8.qformat.bits == 8 and int8.qformat.kind == 'int'
   per_token_head = 16 * 1 + 4   # H int8 codes + one f32 scale
-  assert kvcache.nbytes(int8) == 2 * 2 * 8 * 22 * per_token_head + 4
-  assert kvcache.nbytes(f32) == 2 * 2 * 8 * 22 * 16 * 4 + 4
+  lengths = 8 * 4               # one int32 length per row
+  assert kvcache.nbytes(int8) == 2 * 2 * 8 * 22 * per_token_head + lengths
+  assert kvcache.nbytes(f32) == 2 * 2 * 8 * 22 * 16 * 4 + lengths
 
 
 def test_scales_that_span_tokens_are_rejected():
