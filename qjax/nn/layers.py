@@ -23,7 +23,6 @@ streams statistics from it).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 from typing import Callable, Optional

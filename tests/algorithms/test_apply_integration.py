@@ -22,8 +22,7 @@ from qjax.algorithms.smoothquant_core import smooth_scales
 from qjax.checkpoints import restore_state, save_state, skeleton, structure_fields
 from qjax.core import QArray, fp8_format, int_format
 from qjax.eval import logits
-from qjax.nn import (QuantPolicy, QuantRule, Transformer, TransformerConfig, einsum_layers,
-                     quantize_model)
+from qjax.nn import QuantPolicy, QuantRule, Transformer, TransformerConfig, einsum_layers
 
 INT3 = QuantPolicy((QuantRule('embed', exempt=True), QuantRule('.*', int_format(3, group_size=16))))
 W8A8 = QuantPolicy((QuantRule('embed', exempt=True),
