@@ -143,8 +143,8 @@ def raw_for(scale, zero_point, fmt: QFormat):
   return jnp.asarray(raw), zero_point
 
 
-def init_learned(w: jax.Array, fmt: QFormat,
-                 init: Union[None, str, tuple, QArray] = None) -> tuple[jax.Array, Optional[jax.Array]]:
+def init_learned(w: jax.Array, fmt: QFormat, init: Union[None, str, tuple, QArray] = None
+                 ) -> tuple[jax.Array, Optional[jax.Array]]:
   """Raw learned (scale, zero point) to start LSQ from, for the weight `w` in `fmt`.
 
   Args:

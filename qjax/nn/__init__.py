@@ -9,7 +9,8 @@
 
 __all__ = [
     "Attention", "Block", "Einsum", "EinsumQuant", "Embed", "KVCache", "LayerReport", "MLP",
-    "QWeight", "QuantPolicy", "QuantReport", "QuantRule", "RMSNorm", "Transformer", "TransformerConfig",
+    "QWeight", "QuantPolicy", "QuantReport", "QuantRule", "RMSNorm", "Transformer",
+    "TransformerConfig",
     "apply_fake_quant", "apply_rope", "attend", "attention_mask", "einsum_layers",
     "greedy_generate", "greedy_step", "init_cache", "kv_format", "model_report", "num_params",
     "param_count", "quantize_model", "resolve_format", "set_kv_format", "weight_bytes",
