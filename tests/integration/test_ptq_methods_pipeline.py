@@ -85,7 +85,7 @@ def test_swapped_modules_are_rebuilt_on_load(ref, tmp_path, method, quant, optio
   layers = dict(qnn.einsum_layers(loaded))
   for path, kind in record['calibration']['structure'].items():
     quant = layers[path].quant  # rebuilt from the record's description
-    assert record['einsum_quant'][path] == quant.to_dict(), path
+    assert qnn.EinsumQuant.from_dict(record['einsum_quant'][path]) == quant, path
     if kind == 'llm_int8':
       assert quant.outlier_threshold is not None, path
     else:
