@@ -6,7 +6,7 @@ Each takes streamed calibration statistics, never a model: GPTQ and AWQ the inpu
 """
 
 __all__ = [
-    "apply_method", "rebuild_structure", "fold_scales",
+    "apply_method", "fold_scales",
     "AWQResult", "absmax_update", "absmean_update", "awq_scales", "awq_search",
     "gptq_quantize", "hessian_update", "llm_int8_matmul", "outlier_features", "output_error",
     "smooth", "smooth_scales", "smoothquant_weight", "w8a8_matmul",
@@ -20,5 +20,5 @@ from qjax.algorithms.smoothquant_core import (absmax_update, smooth, smooth_scal
                                               smoothquant_weight, w8a8_matmul)
 
 # Integration: walk a model, calibrate layer by layer, write results through the policy.
-from qjax.algorithms.apply import apply_method, rebuild_structure  # noqa: E402
+from qjax.algorithms.apply import apply_method  # noqa: E402
 from qjax.algorithms.stages import fold_scales  # noqa: E402

@@ -14,7 +14,7 @@ on its inputs (`calibrate.collect_stats`), and the method replaces the stage's w
 
 AWQ and SmoothQuant scale the stage's weight rows by s and fold 1/s into the producer of the
 shared input (`qjax.algorithms.stages`: the norm, the previous linear layer, or an explicit
-`ScaledEinsum`). The calibration record says which, per stage.
+input scale in the consumer's description). The calibration record says which, per stage.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import numpy as np
 from qjax.algorithms import awq, gptq, llm_int8, smoothquant
 from qjax.algorithms.calibrate import (EinsumView, calibration_batches, collect_stats, forward,
                                        token_facts)
-from qjax.algorithms.stages import (BLOCK_STAGES, HEAD_STAGE, ScaledEinsum, Stage, WalkState,
-                                    migrate, module_at, plan_fold, set_module_at, stage_keys)
+from qjax.algorithms.stages import (BLOCK_STAGES, HEAD_STAGE, Stage, WalkState, migrate,
+                                    module_at, plan_fold, stage_keys)
 from qjax.nn import QuantPolicy, QuantReport, Transformer, einsum_layers, quantize_model
 
 METHODS = ('rtn', 'gptq', 'awq', 'smoothquant', 'llm_int8')
@@ -123,13 +123,12 @@ def _smoothquant_stage(ctx, stage, prefix, todo, st):
 
 
 def _llm_int8_convert(ctx: WalkState) -> None:
-  """Swap every matched stage Einsum for an `LLMInt8Einsum` (no calibration needed)."""
+  """Make every matched stage Einsum run LLM.int8() (no calibration needed)."""
   keep = ctx.opts['outlier_weights'] == 'float'
   for key, (stage, prefix) in stage_keys(ctx.model).items():
     for p in (prefix + q for q in stage.layers if prefix + q in ctx.fmts):
-      layer = llm_int8.LLMInt8Einsum(module_at(ctx.qmodel, p), ctx.opts['threshold'],
-                                     ctx.float_weight(p) if keep else None)
-      set_module_at(ctx.qmodel, p, layer)
+      llm_int8.convert_layer(module_at(ctx.qmodel, p), ctx.opts['threshold'],
+                             ctx.float_weight(p) if keep else None)
       ctx.structure[p] = 'llm_int8'
 
 
@@ -194,8 +193,8 @@ def apply_method(model: Transformer, policy: QuantPolicy, method: str, calib_tok
   Returns:
     (qmodel, QuantReport, calibration_record) - the record is the conversion record's
     'calibration' field: token hash and counts, source, seed, procedure, options, per-stage
-    scales and folds, per-layer errors / 8-bit fractions, and `structure` (layers whose module
-    was swapped; `rebuild_structure` replays it before an Orbax restore).
+    scales and folds, per-layer errors / 8-bit fractions, and `structure` (layers whose
+    `EinsumQuant` description the method changed: 'llm_int8' or 'explicit_scale').
   """
   t0 = time.perf_counter()
   opts = resolve_options(method, options)
@@ -208,7 +207,8 @@ def apply_method(model: Transformer, policy: QuantPolicy, method: str, calib_tok
                      'the walk (block inputs, stages, fold targets) is written for it.')
   cfg = model.config
   batches = calibration_batches(calib_tokens, cfg.vocab_size, cfg.max_len, opts['batch_size'])
-  fmts = {p: (l.w.get_value().fmt, l.act_fmt) for p, l in einsum_layers(qmodel) if l.quantized}
+  fmts = {p: (l.w.get_value().fmt, l.quant.act_fmt) for p, l in einsum_layers(qmodel)
+          if l.quantized}
   _check_formats(method, qmodel, fmts)
   ctx = WalkState(model, qmodel, fmts, opts)
   if method == 'llm_int8':  # converted up front: one model structure to compile per block
@@ -286,21 +286,3 @@ def _report(report: QuantReport, method: str, ctx: WalkState) -> QuantReport:
                               if method == 'llm_int8' else l.act)
     layers.append(l)
   return QuantReport(tuple(layers), report.unused_rules, report.mode)
-
-
-def rebuild_structure(qmodel: Transformer, calibration_record: dict) -> Transformer:
-  """Swap the modules `apply_method` swapped (`record['structure']`) into a `quantize_model`
-  output, with placeholder values, so an Orbax restore of its state finds every variable."""
-  opts = calibration_record.get('options', {})
-  for p, kind in calibration_record.get('structure', {}).items():
-    layer = module_at(qmodel, p)
-    if kind == 'llm_int8':
-      w = (jnp.zeros(layer.weight_shape, layer.w.get_value().dtype)
-           if opts.get('outlier_weights', 'float') == 'float' else None)
-      set_module_at(qmodel, p, llm_int8.LLMInt8Einsum(layer, opts.get('threshold', 6.0), w))
-    elif kind == 'explicit_scale':
-      s = jnp.ones(EinsumView.of(layer).contracted_shape)
-      set_module_at(qmodel, p, ScaledEinsum(layer, s))
-    else:
-      raise ValueError(f'rebuild_structure: unknown module kind {kind!r} for {p!r}.')
-  return qmodel

@@ -1,11 +1,12 @@
-"""LLM.int8() integration: an Einsum layer that runs the mixed-precision decomposition.
+"""LLM.int8() integration: an Einsum described to run the mixed-precision decomposition.
 
-`LLMInt8Einsum` replaces a quantized Einsum in place. At every call it finds the input
-features (contracted elements of x, e.g. the D of 'BTD' or the (N, H) of 'BTNH') whose max
-|x| over the call's tokens exceeds `threshold`; those columns are multiplied in the compute
-dtype, the rest through `qeinsum`'s int8 x int8 -> int32 path with vector-wise scales
-(per token for x, per output channel for the stored int8 weight). It is the einsum form of
-`llm_int8_core.llm_int8_matmul`, which the tests compare it with.
+`convert_layer` sets a quantized int8 Einsum's description (`EinsumQuant.outlier_threshold`,
+`outlier_weights`); the layer's forward (`Einsum.outlier_forward`) then finds, at every call,
+the input features (contracted elements of x, e.g. the D of 'BTD' or the (N, H) of 'BTNH')
+whose max |x| over the call's tokens exceeds the threshold; those columns are multiplied in
+the compute dtype, the rest through `qeinsum`'s int8 x int8 -> int32 path with vector-wise
+scales (per token for x, per output channel for the stored int8 weight). It is the einsum
+form of `llm_int8_core.llm_int8_matmul`, which the tests compare it with.
 
 The outlier columns multiply either a float copy of the weight (`outlier_weights='float'`,
 the paper's fp16 decomposition: threshold 0 reproduces the float layer, and the device
@@ -18,16 +19,13 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
-from qjax.core import QArray, dequantize, qeinsum
+from qjax.core import QArray
 from qjax.core.formats import normalize_axis
-from qjax.core.qdot import INT8_ACT
-from qjax.nn.layers import Einsum, parse_spec
+from qjax.nn.einsum_quant import OUTLIER_WEIGHTS
+from qjax.nn.layers import Einsum
 
 OPTIONS = {'threshold': 6.0, 'outlier_weights': 'float'}
-OUTLIER_WEIGHTS = ('float', 'int8')
 
 
 def check_options(opts: dict) -> None:
@@ -50,36 +48,15 @@ def check_vector_wise(q: QArray, layer: Einsum, path: str) -> None:
                      '(4-bit and grouped weights: use gptq or awq).')
 
 
-class LLMInt8Einsum(Einsum):
-  """An Einsum whose forward is LLM.int8() (module docstring).
+def convert_layer(layer: Einsum, threshold: float, w_float: Optional[jax.Array] = None) -> None:
+  """Make a quantized int8 Einsum run LLM.int8(), in place (its description, not its class).
 
-  Attributes (beyond `Einsum`'s, copied from the layer it replaces):
+  Args:
+    layer: an Einsum holding vector-wise int8 weights (`check_vector_wise`).
     threshold: outlier threshold on max |x| of a feature column.
-    w_outlier: `nnx.Param` float copy of the weight for the outlier columns, or None (use
-      the dequantized int8 codes).
+    w_float: the float weight the outlier columns multiply, or None for the dequantized
+      codes (`outlier_weights='int8'`).
   """
-
-  def __init__(self, layer: Einsum, threshold: float, w_float: Optional[jax.Array] = None):
-    for k, v in vars(layer).items():  # spec, axes, w, act_fmt, compute path, ...
-      if not k.startswith('_'):
-        setattr(self, k, v)
-    self.threshold = float(threshold)
-    self.w_outlier = None if w_float is None else nnx.Param(
-        w_float, out_sharding=self.axes, eager_sharding=False)  # the float weight's axes
-
-  def apply(self, x: jax.Array, w, out_dtype=None) -> jax.Array:
-    return self.forward(x, w, out_dtype)[0]
-
-  def forward(self, x: jax.Array, qw: QArray, out_dtype=None) -> tuple[jax.Array, jax.Array]:
-    """(y, fraction of input features multiplied in int8) for one call with weight `qw`."""
-    out_dtype = out_dtype or x.dtype
-    xs = parse_spec(self.spec)[0]
-    tokens = tuple(i for i, c in enumerate(xs) if c not in self.contracted_letters)
-    outlier = jnp.max(jnp.abs(x), axis=tokens, keepdims=True) > self.threshold
-    x_int8 = jnp.where(outlier, jnp.zeros((), x.dtype), x)
-    x_float = jnp.where(outlier, x, jnp.zeros((), x.dtype))
-    y = qeinsum(self.spec, x_int8, qw, act_fmt=INT8_ACT, path='int8', out_dtype=out_dtype)
-    wf = dequantize(qw, x.dtype) if self.w_outlier is None else self.w_outlier[...]
-    # The float part is the float layer's own einsum, so threshold 0 reproduces it exactly.
-    y = y + jnp.einsum(self.spec, x_float, wf.astype(x.dtype), preferred_element_type=out_dtype)
-    return y, 1.0 - jnp.mean(outlier.astype(jnp.float32))
+  quant = layer.quant.replace(outlier_threshold=float(threshold),
+                              outlier_weights='int8' if w_float is None else 'float')
+  layer.set_quant(quant, **({} if w_float is None else {'w_outlier': w_float}))

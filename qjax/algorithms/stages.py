@@ -5,7 +5,8 @@ untied LM head). Per-input-channel scales s of a stage are migrated as `x W = (x
 the stage's weight rows are multiplied by s and 1/s goes into the producer of x: the RMSNorm
 weight, else the previous linear layer's output channels (v_proj for o_proj, with s shared
 by the query heads of one kv head; up_proj for down_proj; for a quantized producer its
-per-channel QArray scales are divided), else an explicit multiply (`ScaledEinsum`).
+per-channel QArray scales are divided), else an explicit multiply (the consumer's
+description gets `input_scale`, its `in_scale` variable holds s).
 `apply_method` drives this per stage; `fold_scales` does it to a float model.
 """
 
@@ -16,13 +17,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from qjax.algorithms.calibrate import EinsumView
 from qjax.core import QArray
 from qjax.core.formats import normalize_axis
 from qjax.nn import Transformer
-from qjax.nn.layers import Einsum, parse_spec
+from qjax.nn.layers import Einsum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,30 +43,6 @@ BLOCK_STAGES = (Stage(('attn/q_proj', 'attn/k_proj', 'attn/v_proj'), 'norm', 'pr
 HEAD_STAGE = Stage(('lm_head',), 'norm', 'final_norm')
 
 
-class InputScale(nnx.Variable):
-  """The per-input-element divisor of a `ScaledEinsum` (not trained)."""
-
-
-class ScaledEinsum(Einsum):
-  """`einsum(spec, x / s, w)`: an AWQ / SmoothQuant scale that no producer could absorb.
-
-  `s` has the shape of the contracted weight axes, in weight order. Taps see x (the layer's
-  input); the division happens in `apply`, just before the product.
-  """
-
-  def __init__(self, layer: Einsum, s):
-    for k, v in vars(layer).items():
-      if not k.startswith('_'):
-        setattr(self, k, v)
-    self.in_scale = InputScale(jnp.asarray(s, jnp.float32))
-
-  def apply(self, x: jax.Array, w, out_dtype=None) -> jax.Array:
-    xs, cl = parse_spec(self.spec)[0], self.contracted_letters
-    s = jnp.transpose(self.in_scale[...], [cl.index(c) for c in xs if c in cl])
-    s = s.reshape([x.shape[i] if c in cl else 1 for i, c in enumerate(xs)])
-    return super().apply(x / s.astype(x.dtype), w, out_dtype)
-
-
 # ---- model paths ----------------------------------------------------------------------------
 def module_at(root, path: str):
   """The module at a '/'-joined path ('layers/3/attn/o_proj'; digits index lists)."""
@@ -74,12 +50,6 @@ def module_at(root, path: str):
   for part in filter(None, path.split('/')):
     node = node[int(part)] if part.isdigit() else getattr(node, part)
   return node
-
-
-def set_module_at(root, path: str, value) -> None:
-  """Replace the module at `path` (a swap: LLM.int8() layers, `ScaledEinsum`)."""
-  parent, _, name = path.rpartition('/')
-  setattr(module_at(root, parent), name, value)
 
 
 @dataclasses.dataclass
@@ -91,7 +61,7 @@ class WalkState:
   opts: dict
   layers: dict = dataclasses.field(default_factory=dict)  # per-layer record entries
   stages: list = dataclasses.field(default_factory=list)  # per-stage record entries
-  structure: dict = dataclasses.field(default_factory=dict)  # path -> swapped module kind
+  structure: dict = dataclasses.field(default_factory=dict)  # path -> how it was changed
   notes: list = dataclasses.field(default_factory=list)
 
   def float_weight(self, path: str):
@@ -110,7 +80,10 @@ def plan_fold(ctx: WalkState, stage: Stage, prefix: str):
   per_channel = not isinstance(w, QArray) or {
       normalize_axis(a, w.ndim, 'channel_axes') for a in w.fmt.channel_axes} == set(
           a for a in range(w.ndim) if a not in prev.contracted_axes)
-  if not ctx.opts['fold_linear'] or not per_channel or type(prev) is not Einsum:
+  # LLM.int8()'s float weight copy would escape the division, and a producer with an input
+  # scale of its own is left as it is: fold explicitly instead.
+  plain = not prev.quant.input_scale and prev.quant.outlier_threshold is None
+  if not ctx.opts['fold_linear'] or not per_channel or not plain:
     return 'explicit', None, None
   if not stage.heads_tie:
     return 'linear', into, None
@@ -163,10 +136,10 @@ def migrate(ctx: WalkState, stage: Stage, prefix: str, todo: list, s_nat, plan) 
     return f'previous linear {into} (output channels, {how}{shared})'
   (p,) = (prefix + q for q in stage.layers)
   layer = module_at(ctx.qmodel, p)
-  s = s_nat.reshape(EinsumView.of(layer).contracted_shape)
-  set_module_at(ctx.qmodel, p, ScaledEinsum(layer, s))
+  layer.set_quant(layer.quant.replace(input_scale=True), in_scale=s_nat.reshape(
+      layer.contracted_shape))
   ctx.structure[p] = 'explicit_scale'
-  return f'explicit multiply x / s in {p} (ScaledEinsum)'
+  return f'explicit multiply x / s in {p} (EinsumQuant.input_scale)'
 
 
 def stage_keys(model: Transformer) -> dict[str, tuple[Stage, str]]:

@@ -6,7 +6,7 @@ from qjax.checkpoints.records import (RECORD_NAME, REQUIRED_FIELDS, conversion_r
                                       write_record)
 from qjax.checkpoints.orbax_io import restore_state, save_state
 from qjax.checkpoints.quantized import (load_quantized, policy_from_dict, policy_to_dict,
-                                        save_quantized)
+                                        save_quantized, skeleton, structure_fields)
 
 from qjax.checkpoints.gemma3 import gemma3_270m_path, load_gemma3_270m
 from qjax.checkpoints.gguf import GEMMA3_FACTS, gguf_config, load_gguf, open_gguf
@@ -15,8 +15,11 @@ from qjax.checkpoints.safetensors_io import hf_config, load_safetensors
 from qjax.checkpoints.tokenizer import build_tokenizer, check_vocab, gguf_tokenizer
 
 __all__ = [
-    'GEMMA3_FACTS', 'build_tokenizer', 'check_vocab', 'gemma3_270m_path', 'gguf_config',
-    'gguf_tokenizer', 'hf_config', 'load_gemma3_270m', 'load_gguf', 'load_safetensors',
-    'model_from_params', 'model_params', 'open_gguf', 'param_shapes','RECORD_NAME', 'REQUIRED_FIELDS', 'conversion_record', 'digest', 'file_sha256', 'hardware_info', 'load_quantized', 'policy_from_dict', 'policy_to_dict',
-           'read_record', 'restore_state', 'runtime_info', 'save_quantized', 'save_state', 'tree_sha256',
-           'write_record']
+    'GEMMA3_FACTS', 'RECORD_NAME', 'REQUIRED_FIELDS', 'build_tokenizer', 'check_vocab',
+    'digest', 'file_sha256', 'gemma3_270m_path', 'gguf_config', 'gguf_tokenizer',
+    'hardware_info', 'hf_config', 'load_gemma3_270m', 'load_gguf', 'load_quantized',
+    'load_safetensors', 'model_from_params', 'model_params', 'open_gguf', 'param_shapes',
+    'policy_from_dict', 'policy_to_dict', 'read_record', 'restore_state', 'runtime_info',
+    'save_quantized', 'save_state', 'skeleton', 'structure_fields', 'tree_sha256',
+    'conversion_record', 'write_record',
+]

@@ -2,25 +2,22 @@
 
 The output directory holds `state/` (Orbax, the QArrays' packed codes and scales) and
 `conversion_record.json`. The record carries everything needed to rebuild the structure
-(the model config and the policy; for a QAT-converted model also the layers with a PACT
-clip, 'act_clip_paths', and the attention's KV format, 'kv_qformat'), so
-`load_quantized(dir)` needs nothing else, and it refuses to load when any artifact's sha256
-differs from the record.
+(`structure_fields`: the model config, the policy, each Einsum's quantization description
+'einsum_quant' and the attention's KV format 'kv_qformat'), so `load_quantized(dir)` needs
+nothing else, and it refuses to load when any artifact's sha256 differs from the record.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 from flax import nnx
 
 from qjax.checkpoints.orbax_io import restore_state, save_state
 from qjax.checkpoints.records import read_record, write_record
 from qjax.core import QFormat
-from qjax.nn import (QuantPolicy, QuantRule, Transformer, TransformerConfig, einsum_layers,
-                     kv_format, quantize_model, set_kv_format)
-from qjax.nn.layers import QATScale
+from qjax.nn import (EinsumQuant, QuantPolicy, QuantRule, Transformer, TransformerConfig,
+                     einsum_layers, kv_format, quantize_model, set_kv_format)
 
 
 def _fmt_dict(f):
@@ -48,21 +45,39 @@ def policy_from_dict(d: dict) -> QuantPolicy:
   return QuantPolicy(rules, strict=d['strict'], path=d['path'])
 
 
+def structure_fields(qmodel: nnx.Module, policy: QuantPolicy) -> dict:
+  """The record fields from which `skeleton` rebuilds `qmodel`'s structure.
+
+  Args:
+    qmodel: a quantized Transformer (`quantize_model`, `apply_method`, a QAT conversion).
+    policy: the policy its weights were quantized with.
+
+  Returns:
+    {'policy': the policy as a dict, 'model_config': the TransformerConfig as a dict,
+    'einsum_quant': {path: `EinsumQuant.to_dict()`} of every Einsum whose description is not
+    the default, 'kv_qformat': the attention's KV format as a dict, or None}.
+  """
+  return {'policy': policy_to_dict(policy),
+          'model_config': dataclasses.asdict(qmodel.config),
+          'einsum_quant': {p: l.quant.to_dict() for p, l in einsum_layers(qmodel)
+                           if l.quant != EinsumQuant()},
+          'kv_qformat': _fmt_dict(kv_format(qmodel))}
+
+
 def save_quantized(out_dir: str, qmodel: nnx.Module, policy: QuantPolicy, record: dict) -> str:
   """Save `qmodel` (Orbax) and its conversion record (with artifact hashes) to `out_dir`.
 
   Args:
     out_dir: output directory (created).
-    qmodel: the model returned by `quantize_model`.
+    qmodel: the model returned by `quantize_model` (or `apply_method`, or a QAT `convert`).
     policy: the policy it was quantized with (recorded, to rebuild the structure on load).
-    record: conversion facts (see `records.REQUIRED_FIELDS`); 'policy', 'model_config',
-      'act_clip_paths' and 'kv_qformat' (`qat_structure`) are added here. When the model
-      has a KV format, 'kv_cache_format' must name it.
+    record: conversion facts (see `records.REQUIRED_FIELDS`); the `structure_fields` are
+      added here. When the model has a KV format, 'kv_cache_format' must name it.
 
   Returns:
     The record's path.
   """
-  structure = qat_structure(qmodel)
+  structure = structure_fields(qmodel, policy)
   kv = structure['kv_qformat']
   if kv is not None and not str(record.get('kv_cache_format', '')).startswith(
       _fmt(kv).name):
@@ -70,53 +85,70 @@ def save_quantized(out_dir: str, qmodel: nnx.Module, policy: QuantPolicy, record
                      f"{record.get('kv_cache_format')!r}, but the model stores K/V as "
                      f'{_fmt(kv).name} (qjax.nn.kv_format); start the field with that name.')
   save_state(out_dir, qmodel)
-  record = dict(record, policy=policy_to_dict(policy),
-                model_config=dataclasses.asdict(qmodel.config), **structure)
-  return write_record(out_dir, record)
+  return write_record(out_dir, dict(record, **structure))
 
 
-def qat_structure(qmodel: nnx.Module) -> dict:
-  """What a QAT-converted model holds beyond its policy: its PACT clips and KV format.
-
-  Returns:
-    {'act_clip_paths': Einsum paths with a PACT clip (`act_clip`), 'kv_qformat': the
-    attention's KV format as a dict, or None}.
-  """
-  return {'act_clip_paths': [p for p, l in einsum_layers(qmodel) if l.act_clip is not None],
-          'kv_qformat': _fmt_dict(kv_format(qmodel))}
-
-
-def _rebuild_qat_structure(qmodel: nnx.Module, record: dict) -> nnx.Module:
-  """`qat_structure` of the record put back: placeholder PACT clips, the KV format."""
-  layers = dict(einsum_layers(qmodel))
-  for path in record.get('act_clip_paths') or ():
-    if path not in layers:
-      raise ValueError(f'load_quantized: the record lists a PACT clip on {path!r}, which the '
-                       f'model has no Einsum at (paths look like {list(layers)[:3]}); the '
-                       'record does not belong to this architecture.')
-    layers[path].act_clip = nnx.data(QATScale(jnp.zeros((), jnp.float32)))
-  set_kv_format(qmodel, _fmt(record.get('kv_qformat')), 'load_quantized: kv_qformat')
-  return qmodel
+def _legacy_einsum_quant(record: dict, qmodel: nnx.Module) -> dict:
+  """'einsum_quant' for a record written before it existed (from 'act_clip_paths' and the
+  PTQ method's `calibration.structure`), over the policy's descriptions."""
+  quants = {p: l.quant for p, l in einsum_layers(qmodel)}
+  calibration = record.get('calibration') or {}
+  opts = calibration.get('options') or {}
+  changes = {p: {'pact': True} for p in record.get('act_clip_paths') or ()}
+  for p, kind in (calibration.get('structure') or {}).items():
+    if kind == 'llm_int8':
+      changes.setdefault(p, {}).update(outlier_threshold=opts.get('threshold', 6.0),
+                                       outlier_weights=opts.get('outlier_weights', 'float'))
+    elif kind == 'explicit_scale':
+      changes.setdefault(p, {}).update(input_scale=True)
+    else:
+      raise ValueError(f"load_quantized: the record's calibration.structure names {kind!r} "
+                       f"for {p!r}, which this version cannot rebuild (known: 'llm_int8', "
+                       "'explicit_scale'); re-save the model with this version of qjax.")
+  for p, change in changes.items():
+    if p not in quants:
+      raise ValueError(f'load_quantized: the record changes {p!r} ({change}), which the model '
+                       f'has no Einsum at (paths look like {list(quants)[:3]}); the record '
+                       'does not belong to this architecture.')
+    quants[p] = quants[p].replace(**change)
+  return {p: q.to_dict() for p, q in quants.items() if q != EinsumQuant()}
 
 
 def skeleton(record: dict) -> nnx.Module:
   """The quantized model's structure, with placeholder values, that `record` describes.
 
-  `quantize_model` of a fresh model under the recorded policy, then the module swaps a PTQ
-  method made (`record['calibration']['structure']`: LLM.int8() layers, explicit AWQ /
-  SmoothQuant input scales) and the PACT clips and KV format of a QAT conversion
-  (`qat_structure`), so an Orbax restore finds every variable it saved.
+  `quantize_model` of a fresh model under the recorded policy (the QWeights), then each
+  Einsum's recorded description (`einsum_quant`, with placeholder values for the variables
+  it implies) and the KV format, so an Orbax restore finds every variable it saved. Records
+  written before 'einsum_quant' existed are read through their 'act_clip_paths' and
+  `calibration.structure`.
+
+  Args:
+    record: a conversion record (`structure_fields` are what it reads).
+
+  Returns:
+    The model, ready for `restore_state`.
   """
-  # Imported here: the algorithms import the checkpoint-free core only, never this module.
-  from qjax.algorithms.apply import rebuild_structure  # pylint: disable=g-import-not-at-top
   cfg = TransformerConfig(**record['model_config'])
   policy = policy_from_dict(record['policy'])
   qmodel = quantize_model(Transformer(cfg, rngs=nnx.Rngs(0)), policy)[0]
-  calibration = record.get('calibration') or {}
-  if calibration.get('structure'):
-    qmodel = rebuild_structure(qmodel, calibration)
-  if record.get('act_clip_paths') or record.get('kv_qformat'):  # a QAT conversion's
-    qmodel = _rebuild_qat_structure(qmodel, record)
+  layers = dict(einsum_layers(qmodel))
+  if 'einsum_quant' in record:
+    described = dict(record['einsum_quant'])
+  else:
+    described = _legacy_einsum_quant(record, qmodel)
+  unknown = sorted(set(described) - set(layers))
+  if unknown:
+    raise ValueError(f"load_quantized: the record's einsum_quant describes {unknown}, which the "
+                     f'model has no Einsum at (paths look like {list(layers)[:3]}); the record '
+                     'does not belong to this architecture.')
+  for path, layer in layers.items():
+    try:
+      quant = EinsumQuant.from_dict(described[path]) if path in described else EinsumQuant()
+      layer.set_quant(quant, **layer.placeholder_values(quant))
+    except ValueError as e:
+      raise ValueError(f"load_quantized: the record's einsum_quant of {path!r}: {e}") from None
+  set_kv_format(qmodel, _fmt(record.get('kv_qformat')), 'load_quantized: kv_qformat')
   return qmodel
 
 

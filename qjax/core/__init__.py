@@ -17,3 +17,5 @@ from qjax.core.packing import pack, packed_length, unpack
 from qjax.core.qarray import (QArray, dequantize, estimate_nbytes, nbytes, quantize,
                               scale_and_zero_point)
 from qjax.core.qdot import choose_path, qdot, qeinsum
+from qjax.core.learned import (conversion_range, init_learned, learned_fake_quant,
+                               learned_qparams, learned_range, pact_clip, range_for)

@@ -9,8 +9,9 @@
 """
 
 __all__ = [
-    "Attention", "Block", "Einsum", "Embed", "KVCache", "LayerReport", "MLP", "QWeight",
-    "QuantPolicy", "QuantReport", "QuantRule", "RMSNorm", "Transformer", "TransformerConfig",
+    "Attention", "Block", "Einsum", "EinsumQuant", "Embed", "KVCache", "LayerReport", "MLP",
+    "QWeight", "QuantPolicy", "QuantReport", "QuantRule", "RMSNorm", "Transformer",
+    "TransformerConfig",
     "apply_fake_quant", "apply_rope", "attend", "attention_mask", "einsum_layers",
     "greedy_generate", "greedy_step", "init_cache", "kv_format", "model_report", "num_params",
     "param_count", "quantize_model", "resolve_format", "set_kv_format", "weight_bytes",
@@ -22,6 +23,7 @@ from qjax.nn.attention import (Attention, attend, attention_mask, kv_format, set
 from qjax.nn.config import TransformerConfig, num_params
 from qjax.nn.generate import greedy_generate, greedy_step
 from qjax.nn.kvcache import KVCache, init_cache
+from qjax.nn.einsum_quant import EinsumQuant
 from qjax.nn.layers import Einsum, Embed, QWeight, RMSNorm
 from qjax.nn.policy import (QuantPolicy, QuantRule, apply_fake_quant, quantize_model,
                             resolve_format)

@@ -4,12 +4,16 @@ Every weight is an `nnx.Param` whose `out_sharding` metadata holds its logical a
 (`qjax.nn.axes`), created with `eager_sharding=False` so that building a model needs no mesh;
 a layout maps the names to mesh axes later (`nnx.get_partition_spec`).
 
-Quantization never edits these classes' callers: `qjax.nn.policy` swaps an Einsum's `w` from
-a `Param` to a `QWeight` holding a `QArray` (then the forward is `qeinsum`), or sets
-`fake_fmt` (then the float weight is fake-quantized in the forward, for QAT). QAT
-(`qjax.train.qat`) may add learned step sizes / zero points (`QATScale`), an activation
-fake-quant format (`fake_act_fmt`) and a PACT clip of the input (`act_clip`, kept by the
-converted model).
+How an Einsum quantizes is one frozen description, `EinsumQuant` (`layer.quant`): serving
+fields (activation format, compute path, LLM.int8() outlier threshold) for a quantized weight
+(a `QWeight` holding a `QArray`, then the forward is `qeinsum`), training fields (fake-quant
+weight and activation formats, learned LSQ scales) for a float one, and a PACT clip or an
+explicit input scale for either. Policies, QAT and PTQ methods change a layer by replacing
+the description (`layer.set_quant(layer.quant.replace(...), **values)`); the learned or fixed
+values it implies (`QATScale`, `InputScale`, the LLM.int8() float weights) are variables on
+the layer, and which of them exist is the description's `variables`. A saved model is rebuilt
+from the descriptions (`qjax.checkpoints`). The learned-scale math is the core's
+(`qjax.core.learned`).
 
 Calibration reads layer inputs the same way, without editing callers: inside
 `with tap_inputs(fn):` every Einsum call first runs `fn(layer, x)` (`qjax.algorithms.calibrate`
@@ -27,10 +31,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qjax.core import (QArray, QFormat, dequantize, fake_quant, qeinsum, round_ste,
-                       scale_and_zero_point)
+from qjax.core import QArray, choose_path, dequantize, fake_quant, qeinsum
+from qjax.core.learned import learned_fake_quant, pact_clip, scale_shape
+from qjax.core.qdot import INT8_ACT
 from qjax.core.qdot import parse_spec as _core_parse_spec
 from qjax.nn import shard_hooks
+from qjax.nn.einsum_quant import QUANT_VARIABLES, EinsumQuant
 
 
 _TAPS: list = []  # active `tap_inputs` callbacks
@@ -75,48 +81,12 @@ class QATScale(nnx.Variable):
   """
 
 
-_MIN_SCALE = 1e-12  # a learned step size never reaches 0 (or flips sign)
-_ROUND = QFormat()  # an integer format: `round_ste` rounds to integers under it
-
-
-def _positive_integer(scale, zero_point, fmt: QFormat):
-  """A learned step size kept positive; a learned zero point rounded (STE) into [qmin, qmax]."""
-  s = jnp.maximum(scale.astype(jnp.float32), _MIN_SCALE)
-  if fmt.symmetric or zero_point is None:
-    return s, None
-  return s, jnp.clip(round_ste(zero_point.astype(jnp.float32), _ROUND), fmt.qmin, fmt.qmax)
-
-
-def learned_range(scale, zero_point, fmt: QFormat):
-  """The range (lo, hi) a learned step size s and zero point z span: +-qmax s, or (q - z) s."""
-  s, z = _positive_integer(scale, zero_point, fmt)
-  if z is None:
-    return -s * fmt.qmax, s * fmt.qmax
-  return (fmt.qmin - z) * s, (fmt.qmax - z) * s
-
-
-def learned_qparams(scale, zero_point, fmt: QFormat):
-  """The (scale, zero point) a learned pair stands for: what the forward uses and stores.
-
-  The zero point is rounded (straight-through) to a code in [qmin, qmax]. A `pow2_scale`
-  step size becomes the power of two nearest in log2 (straight-through). Any other is
-  mapped through the core's `scale_and_zero_point` of its `learned_range`: the arithmetic
-  `quantize` applies to that range at conversion, so the stored scale is the one trained.
-  """
-  s, z = _positive_integer(scale, zero_point, fmt)
-  if fmt.pow2_scale:
-    s = jnp.exp2(round_ste(jnp.log2(s), _ROUND))
-    return s.astype(jnp.dtype(fmt.scale_dtype)).astype(jnp.float32), z
-  lo, hi = learned_range(scale, zero_point, fmt)
-  s = scale_and_zero_point(lo, hi, fmt)[0].astype(jnp.float32)
-  if z is not None:  # the core's zero point for that range, with a straight-through gradient
-    z = jnp.clip(round_ste(fmt.qmin - jnp.minimum(lo, 0.0) / s, _ROUND), fmt.qmin, fmt.qmax)
-  return s, z
+class InputScale(nnx.Variable):
+  """A fixed per-input-element divisor (an AWQ / SmoothQuant scale no producer absorbed)."""
 
 
 # One einsum-spec parser for the whole project: the core's (re-exported for nn users).
 parse_spec = _core_parse_spec
-
 
 class Einsum(nnx.Module):
   """A projection `einsum(spec, x, w)`, activations first.
@@ -125,14 +95,13 @@ class Einsum(nnx.Module):
     spec: e.g. 'BTD,DNH->BTNH'.
     axes: logical axis names of the weight, one per weight letter.
     w: `nnx.Param` (float) or `QWeight` (a QArray) after `quantize_model`.
-    act_fmt: activation format for W8A8 / fp8 (quantized weights only), or None.
-    compute_path: qeinsum `path` for quantized weights ('auto', 'dequant', 'int8', 'fp8').
-    fake_fmt: a fully resolved QFormat fake-quantizing the float weight in the forward (QAT).
-    qat_scale, qat_zero_point: learned step size / zero point of `fake_fmt` (`QATScale`, in
-      its grouped view), or None: the scale is calibrated from the weight at every call.
-    fake_act_fmt: format fake-quantizing the input in the forward (QAT of `act_fmt`), or None.
-    act_clip: PACT clip `a` (`QATScale`): the input is clipped to [-a, a] first, in the
-      float, fake-quantized and quantized forward alike; or None.
+    quant: the `EinsumQuant` description (read-only; change it with `set_quant`, or by
+      assigning a description that adds no variable).
+    qat_scale, qat_zero_point: learned LSQ step size / zero point of `quant.fake_fmt`
+      (`QATScale`, shaped as `compute_range` gives the format's scales), or None.
+    act_clip: learned PACT clip a (`QATScale`, a scalar), or None.
+    in_scale: the fixed input divisor (`InputScale`, the contracted weight axes), or None.
+    w_outlier: LLM.int8()'s float weight copy (`nnx.Param`, the weight's shape), or None.
   """
 
   def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *,
@@ -147,13 +116,9 @@ class Einsum(nnx.Module):
     std = stddev if stddev is not None else fan_in ** -0.5
     value = std * jax.random.normal(rngs.params(), shape, jnp.dtype(param_dtype))
     self.w = nnx.Param(value, out_sharding=self.axes, eager_sharding=False)
-    self.act_fmt: Optional[QFormat] = None
-    self.compute_path = 'auto'
-    self.fake_fmt: Optional[QFormat] = None
-    self.qat_scale: Optional[QATScale] = nnx.data(None)
-    self.qat_zero_point: Optional[QATScale] = nnx.data(None)
-    self.fake_act_fmt: Optional[QFormat] = None
-    self.act_clip: Optional[QATScale] = nnx.data(None)
+    self._quant = EinsumQuant()
+    for name in QUANT_VARIABLES:
+      setattr(self, name, nnx.data(None))
 
   @property
   def contracted_letters(self) -> str:
@@ -167,6 +132,12 @@ class Einsum(nnx.Module):
     return tuple(i for i, c in enumerate(ws) if c in self.contracted_letters)
 
   @property
+  def contracted_shape(self) -> tuple[int, ...]:
+    """Sizes of the contracted weight axes, in weight order (the shape of `in_scale`)."""
+    shape = self.weight_shape
+    return tuple(shape[a] for a in self.contracted_axes)
+
+  @property
   def weight_shape(self) -> tuple[int, ...]:
     w = self.w.get_value()
     return tuple(w.shape)
@@ -175,35 +146,170 @@ class Einsum(nnx.Module):
   def quantized(self) -> bool:
     return isinstance(self.w, QWeight)
 
+  # ---- the quantization description ------------------------------------------------------
+  @property
+  def quant(self) -> EinsumQuant:
+    return self._quant
+
+  @quant.setter
+  def quant(self, quant: EinsumQuant) -> None:
+    self.set_quant(quant)
+
+  def _variable_shape(self, name: str, quant: EinsumQuant) -> tuple[int, ...]:
+    if name in ('qat_scale', 'qat_zero_point'):
+      return scale_shape(self.w.get_value(), quant.fake_fmt)
+    return {'act_clip': (), 'in_scale': self.contracted_shape,
+            'w_outlier': self.weight_shape}[name]
+
+  def _check_quant(self, quant: EinsumQuant) -> None:
+    """The description fits this layer's weight (float or quantized)."""
+    what = f'Einsum {self.spec!r}'
+    w = self.w.get_value()
+    if isinstance(w, QArray):
+      training = [n for n in ('fake_fmt', 'fake_act_fmt') if getattr(quant, n) is not None]
+      if training:
+        raise ValueError(f'set_quant: {what} holds a quantized weight ({w.fmt.name}), but the '
+                         f'description sets {training}, which fake-quantize a float weight '
+                         '(QAT); drop them, or give the layer a float weight first.')
+      if quant.outlier_threshold is not None and (w.fmt.is_float or w.fmt.bits != 8):
+        raise ValueError(f'set_quant: {what}: LLM.int8() (outlier_threshold='
+                         f'{quant.outlier_threshold}) needs int8 weights, not {w.fmt.name}.')
+      try:
+        if quant.path == 'auto':
+          choose_path(w.fmt, quant.act_fmt)
+      except ValueError as e:
+        raise ValueError(f'set_quant: {what}: {e}') from None
+      return
+    serving = [n for n, v in (('act_fmt', quant.act_fmt), ('outlier_threshold',
+               quant.outlier_threshold)) if v is not None]
+    if quant.path != 'auto':
+      serving.append('path')
+    if serving:
+      raise ValueError(f'set_quant: {what} holds a float weight, but the description sets '
+                       f'{serving}, which apply to a quantized weight; quantize the layer '
+                       '(`quantize_model`) first, or use fake_fmt / fake_act_fmt for QAT.')
+
+  def set_quant(self, quant: EinsumQuant, **values) -> None:
+    """Replace the layer's quantization description, creating or dropping its variables.
+
+    A variable the new description implies (`quant.variables`) takes its value from
+    `values`, else keeps the layer's current one; the others are dropped.
+
+    Args:
+      quant: the new description.
+      **values: arrays for the variables the description adds (names in QUANT_VARIABLES):
+        `qat_scale` / `qat_zero_point` (raw LSQ values, e.g. from `qjax.core.init_learned`),
+        `act_clip` (the PACT clip), `in_scale` (the input divisor), `w_outlier` (LLM.int8()'s
+        float weights). `placeholder_values(quant)` gives values of the right shapes.
+
+    Raises:
+      ValueError: the description does not fit the weight, a value is missing, unexpected or
+        of the wrong shape.
+    """
+    if not isinstance(quant, EinsumQuant):
+      raise ValueError(f'set_quant: expected an EinsumQuant, got {type(quant).__name__}.')
+    self._check_quant(quant)
+    wanted = quant.variables
+    extra = sorted(set(values) - set(wanted))
+    if extra:
+      raise ValueError(f'set_quant: values {extra} given, but the description implies only '
+                       f'{list(wanted)}; set the fields that create them (learn_scale, pact, '
+                       'input_scale, outlier_threshold) or drop the values.')
+    new = {}
+    for name in wanted:
+      if name in values:
+        v = jnp.asarray(values[name])
+      elif getattr(self, name) is not None:
+        v = getattr(self, name)[...]
+      else:
+        raise ValueError(f'set_quant: the description adds the variable {name!r} to Einsum '
+                         f'{self.spec!r}; pass {name}=... (its initial value), e.g. '
+                         'layer.set_quant(quant, **layer.placeholder_values(quant)).')
+      want = self._variable_shape(name, quant)
+      if tuple(v.shape) != want:
+        raise ValueError(f'set_quant: {name} of Einsum {self.spec!r} has shape '
+                         f'{tuple(v.shape)}, expected {want}.')
+      new[name] = v
+    for name in QUANT_VARIABLES:
+      if name not in new:
+        setattr(self, name, None)
+      elif name == 'w_outlier':  # the float weight's axes
+        setattr(self, name, nnx.data(nnx.Param(new[name], out_sharding=self.axes,
+                                               eager_sharding=False)))
+      else:
+        kind = InputScale if name == 'in_scale' else QATScale
+        setattr(self, name, nnx.data(kind(new[name].astype(jnp.float32))))
+    self._quant = quant
+
+  def placeholder_values(self, quant: EinsumQuant) -> dict:
+    """Values of the right shapes and dtypes for the variables `quant` implies (ones for
+    scales and clips, zeros for weights and zero points): a skeleton for a restore."""
+    out = {}
+    for name in quant.variables:
+      shape = self._variable_shape(name, quant)
+      if name == 'w_outlier':
+        out[name] = jnp.zeros(shape, self.w.get_value().dtype)
+      else:
+        out[name] = (jnp.zeros if name == 'qat_zero_point' else jnp.ones)(shape, jnp.float32)
+    return out
+
+  # ---- the forward -----------------------------------------------------------------------
   def fake_weight(self, w: jax.Array) -> jax.Array:
-    """`w` fake-quantized per `fake_fmt` (with the learned scale when there is one)."""
-    if self.fake_fmt is None:
+    """`w` fake-quantized per `quant.fake_fmt` (with the learned scale when there is one)."""
+    fmt = self.quant.fake_fmt
+    if fmt is None:
       return w
-    if self.qat_scale is None:
-      return fake_quant(w, self.fake_fmt)
+    if not self.quant.learn_scale:
+      return fake_quant(w, fmt)
     zp = None if self.qat_zero_point is None else self.qat_zero_point[...]
-    s, z = learned_qparams(self.qat_scale[...], zp, self.fake_fmt)
-    return fake_quant(w, self.fake_fmt, scale=s, zero_point=z)
+    return learned_fake_quant(w, fmt, self.qat_scale[...], zp)
 
   def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
     """`einsum(spec, x, w)` in x's dtype (or `out_dtype`)."""
-    if self.act_clip is not None:
-      a = self.act_clip[...].astype(x.dtype)
-      x = jnp.clip(x, -a, a)
+    if self.quant.pact:
+      x = pact_clip(x, self.act_clip[...])
     notify_taps(self, x)
     return shard_hooks.current().einsum(self, x, self.w.get_value(),
                                         functools.partial(self.apply, out_dtype=out_dtype))
 
   def apply(self, x: jax.Array, w, out_dtype=None) -> jax.Array:
     """The product with a given weight value (a layout may pass a gathered or local shard)."""
+    quant = self.quant
+    if quant.input_scale:  # taps saw x itself; the division belongs to the product
+      xs, cl = parse_spec(self.spec)[0], self.contracted_letters
+      s = jnp.transpose(self.in_scale[...], [cl.index(c) for c in xs if c in cl])
+      x = x / s.reshape([x.shape[i] if c in cl else 1 for i, c in enumerate(xs)]).astype(x.dtype)
     if isinstance(w, QArray):
-      return qeinsum(self.spec, x, w, act_fmt=self.act_fmt, path=self.compute_path,
+      if quant.outlier_threshold is not None:
+        return self.outlier_forward(x, w, out_dtype)[0]
+      return qeinsum(self.spec, x, w, act_fmt=quant.act_fmt, path=quant.path,
                      out_dtype=out_dtype)
     w = self.fake_weight(w)
-    if self.fake_act_fmt is not None:
-      x = fake_quant(x, self.fake_act_fmt)
+    if quant.fake_act_fmt is not None:
+      x = fake_quant(x, quant.fake_act_fmt)
     out_dtype = out_dtype or x.dtype
     return jnp.einsum(self.spec, x, w.astype(x.dtype), preferred_element_type=out_dtype)
+
+  def outlier_forward(self, x: jax.Array, w: QArray,
+                      out_dtype=None) -> tuple[jax.Array, jax.Array]:
+    """LLM.int8() with weight `w`: (y, fraction of input features multiplied in int8).
+
+    The input features (contracted elements of x) whose max |x| over the call's tokens
+    exceeds `quant.outlier_threshold` multiply the float weights (`w_outlier`, or the
+    dequantized codes), the rest go through `qeinsum`'s int8 x int8 path with per-token
+    activation scales: the einsum form of `qjax.algorithms.llm_int8_matmul`.
+    """
+    out_dtype = out_dtype or x.dtype
+    xs = parse_spec(self.spec)[0]
+    tokens = tuple(i for i, c in enumerate(xs) if c not in self.contracted_letters)
+    outlier = jnp.max(jnp.abs(x), axis=tokens, keepdims=True) > self.quant.outlier_threshold
+    x_int8 = jnp.where(outlier, jnp.zeros((), x.dtype), x)
+    x_float = jnp.where(outlier, x, jnp.zeros((), x.dtype))
+    y = qeinsum(self.spec, x_int8, w, act_fmt=INT8_ACT, path='int8', out_dtype=out_dtype)
+    wf = dequantize(w, x.dtype) if self.w_outlier is None else self.w_outlier[...]
+    # The float part is the float layer's own einsum, so threshold 0 reproduces it exactly.
+    y = y + jnp.einsum(self.spec, x_float, wf.astype(x.dtype), preferred_element_type=out_dtype)
+    return y, 1.0 - jnp.mean(outlier.astype(jnp.float32))
 
 
 class Embed(Einsum):

@@ -192,7 +192,8 @@ def quantize_model(model: nnx.Module, policy: QuantPolicy,
   """A quantized copy of `model`; the float model is left untouched and usable.
 
   Each matched Einsum's weight becomes a `QWeight` holding a `QArray` (real, packed codes),
-  and its forward becomes `qeinsum(spec, x, qarray, act_fmt=rule.act, path=policy.path)`.
+  and its description (`EinsumQuant`) gets `act_fmt=rule.act, path=policy.path`: its forward
+  becomes `qeinsum(spec, x, qarray, act_fmt=rule.act, path=policy.path)`.
   `nnx.state(qmodel)` holds the QArrays' arrays, so Orbax saves and restores them.
 
   Args:
@@ -224,8 +225,9 @@ def quantize_model(model: nnx.Module, policy: QuantPolicy,
     q = _quantize_weight(layer.w.get_value(), fmt, cal, path)
     target = qlayers[path]
     target.w = QWeight(q, logical_axes=layer.axes)
-    target.act_fmt = act
-    target.compute_path = policy.path
+    # Training-only fields go with the float weight; a PACT clip or input scale stays.
+    target.set_quant(target.quant.replace(act_fmt=act, path=policy.path, fake_fmt=None,
+                                          learn_scale=False, fake_act_fmt=None))
     reports.append(LayerReport(path, fmt.name, act.name if act else 'float', reason,
                                layer.weight_shape, before, nbytes(q)))
   return qmodel, QuantReport(tuple(reports), unused, 'quantize')
@@ -234,9 +236,10 @@ def quantize_model(model: nnx.Module, policy: QuantPolicy,
 def apply_fake_quant(model: nnx.Module, policy: QuantPolicy):
   """A copy of `model` whose matched Einsums fake-quantize their float weights (QAT).
 
-  The forward pass sees exactly the weights `quantize_model` would store (same resolved
-  formats, straight-through gradients via `qjax.core.fake_quant`); weights stay `nnx.Param`
-  and train. Activation formats are recorded in the report but not simulated here.
+  Each matched Einsum's description gets `fake_fmt` (the resolved format): the forward pass
+  sees exactly the weights `quantize_model` would store (straight-through gradients via
+  `qjax.core.fake_quant`); weights stay `nnx.Param` and train. Activation formats are
+  recorded in the report but not simulated here.
 
   Returns:
     (model copy, QuantReport with bytes_after = bytes_before: the device still holds floats).
@@ -247,7 +250,8 @@ def apply_fake_quant(model: nnx.Module, policy: QuantPolicy):
   reports = []
   for path, layer, fmt, act, reason in plan:
     b = _float_bytes(layer)
-    flayers[path].fake_fmt = fmt
+    flayers[path].set_quant(flayers[path].quant.replace(fake_fmt=fmt, learn_scale=False,
+                                                        fake_act_fmt=None))
     reports.append(LayerReport(path, fmt.name if fmt else 'float',
                                act.name if act else 'float', reason, layer.weight_shape, b, b))
   return fmodel, QuantReport(tuple(reports), unused, 'fake_quant')

@@ -133,10 +133,12 @@ def model_report(model: nnx.Module) -> str:
   for path, layer in einsum_layers(model):
     w = layer.w.get_value()
     if isinstance(w, QArray):
-      fmt = format_name(w) + (f' x act {layer.act_fmt.name}' if layer.act_fmt else '')
+      act = layer.quant.act_fmt
+      fmt = format_name(w) + (f' x act {act.name}' if act else '')
       b = nbytes(w)
     else:
-      fmt = 'float' if layer.fake_fmt is None else f'fake {layer.fake_fmt.name}'
+      fake = layer.quant.fake_fmt
+      fmt = 'float' if fake is None else f'fake {fake.name}'
       b = int(w.size) * w.dtype.itemsize
     rows.append((path, 'x'.join(map(str, layer.weight_shape)), ','.join(layer.axes), fmt,
                  str(b)))

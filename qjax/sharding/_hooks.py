@@ -166,12 +166,12 @@ def _exact_on_shards(layer, w, split_contraction: bool) -> bool:
   fake-quant scales (QAT) and, with a split contraction, the per-token activation scales of
   the W8A8 / fp8 paths.
   """
+  quant = layer.quant
   if not isinstance(w, QArray):
-    return not any(getattr(layer, name, None) is not None
-                   for name in ('fake_fmt', 'fake_act_fmt', 'qat_scale'))
-  path = layer.compute_path
+    return quant.fake_fmt is None and quant.fake_act_fmt is None
+  path = 'int8' if quant.outlier_threshold is not None else quant.path  # LLM.int8(): int8 x int8
   if path == 'auto':
-    path = choose_path(w.fmt, layer.act_fmt)
+    path = choose_path(w.fmt, quant.act_fmt)
   return path in ('dequant', 'tiled') or not split_contraction
 
 

@@ -11,8 +11,8 @@ from qjax.train.distill import (check_distill, check_teacher, distill_loss, dist
 from qjax.train.optim import make_optimizer
 from qjax.train.qat import (TRAINABLE, QATScale, activation_format, lm_loss, make_qat_optimizer,
                             prepare_qat, qat_step, relative_adam)
-from qjax.train.qat_convert import (convert, float_model, learned_ranges, learned_scales,
-                                    range_for)
+from qjax.train.qat_convert import convert, float_model, learned_ranges, learned_scales
+from qjax.core import range_for  # the core's, re-exported here where QAT users find it
 
 __all__ = [
     'QATScale', 'TRAINABLE', 'activation_format', 'check_distill', 'check_teacher', 'convert',

@@ -22,7 +22,9 @@ Optionally activations are fake-quantized as `qeinsum`'s int8 / fp8 paths quanti
 (dynamic, per token and weight group), behind a PACT-style learned clip [-a, a]; and keys
 and values as a quantized KV cache stores them (`kv=`: the attention's KV format, kept by the
 converted model, whose cache then uses it). The straight-through and LSQ gradients live in
-`qjax.core.fake_quant`; nothing here redefines them.
+`qjax.core.fake_quant`, the learned-scale math in `qjax.core.learned`; nothing here redefines
+them. Each layer's QAT state is its `EinsumQuant` description (`fake_fmt`, `learn_scale`,
+`fake_act_fmt`, `pact`), set with `Einsum.set_quant`.
 
     qat, _ = prepare_qat(model, policy, learn_scales=True)
     opt = make_qat_optimizer(qat, make_optimizer(1e-3, steps, warmup), scale_lr=1e-3)
@@ -38,15 +40,12 @@ from typing import Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
-from qjax.core import QArray, QFormat, compute_range, dequantize, scale_and_zero_point
-from qjax.core.calibration import grouped_view_shape
+from qjax.core import QArray, QFormat, dequantize, init_learned
 from qjax.nn import QuantPolicy, apply_fake_quant, einsum_layers, set_kv_format
-from qjax.nn.layers import Einsum, QATScale, learned_qparams, parse_spec
-from qjax.train.qat_convert import ULP_STEPS, step_ulps
+from qjax.nn.layers import Einsum, QATScale, parse_spec
 
 # Everything QAT trains: the weights and the learned quantization parameters.
 TRAINABLE = nnx.Any(nnx.Param, QATScale)
@@ -66,7 +65,7 @@ def _dequantized(model: nnx.Module) -> tuple[nnx.Module, dict]:
     if isinstance(w, QArray):
       ptq[path] = w
       layer.w = nnx.Param(dequantize(w), out_sharding=layer.axes, eager_sharding=False)
-      layer.act_fmt, layer.compute_path = None, 'auto'
+      layer.set_quant(layer.quant.replace(act_fmt=None, path='auto'))
   return fm, ptq
 
 
@@ -83,37 +82,6 @@ def activation_format(layer: Einsum, weight_fmt: QFormat, act: QFormat) -> QForm
   channel = tuple(i for i, c in enumerate(xs) if c != gl)
   return QFormat(bits=8, kind=act.kind, channel_axes=channel, group_size=weight_fmt.group_size,
                  group_axis=xs.index(gl))
-
-
-def _init_scale(layer: Einsum, fmt: QFormat, init) -> tuple[jax.Array, Optional[jax.Array]]:
-  """Initial (scale, zero point) of a learned scale, from a QArray, a range or a method."""
-  if isinstance(init, QArray):
-    return init.scale, init.zero_point
-  w = layer.w.get_value()
-  lo, hi = init if isinstance(init, tuple) else compute_range(w, fmt, init)
-  view, reduced = grouped_view_shape(w.shape, fmt)
-  want = tuple(1 if a in reduced else n for a, n in enumerate(view))
-  scale, zp = scale_and_zero_point(jnp.asarray(lo, jnp.float32), jnp.asarray(hi, jnp.float32),
-                                   fmt)
-  if scale.shape != want:
-    raise ValueError(f'prepare_qat: the range given for a {fmt.name} weight of shape '
-                     f'{w.shape} has shape {scale.shape}, expected {want} (the grouped view '
-                     'with 1s on reduced axes, as compute_range returns ranges).')
-  return scale, zp
-
-
-def _raw_for(scale, zp, fmt: QFormat):
-  """Learned parameters whose `learned_qparams` are (scale, zp), where float rounding allows."""
-  target = np.asarray(scale, np.float32)
-  raw, todo = target.copy(), np.ones(target.shape, bool)
-  for k in ULP_STEPS:
-    cand = step_ulps(target, k)
-    got = np.asarray(learned_qparams(jnp.asarray(cand), zp, fmt)[0])
-    take = todo & (got == target)
-    raw, todo = np.where(take, cand, raw), todo & ~take
-    if not todo.any():
-      break
-  return jnp.asarray(raw), zp
 
 
 def prepare_qat(model: nnx.Module, policy: QuantPolicy, *,
@@ -151,14 +119,14 @@ def prepare_qat(model: nnx.Module, policy: QuantPolicy, *,
     set_kv_format(qat, kv, 'prepare_qat: kv')
   layers = dict(einsum_layers(qat))
   for path, q in ptq.items():
-    fmt = layers[path].fake_fmt
+    fmt = layers[path].quant.fake_fmt
     if fmt is None or _positive_axes(q.fmt, q.ndim) != _positive_axes(fmt, q.ndim):
       raise ValueError(f'prepare_qat: layer {path!r} of the PTQ model is {q.fmt.name}, but the '
                        f'policy makes it {fmt.name if fmt else "float"}; start QAT with the '
                        'policy the model was quantized with.')
 
   if learn_scales is True:
-    learn = [p for p, l in layers.items() if l.fake_fmt is not None]
+    learn = [p for p, l in layers.items() if l.quant.fake_fmt is not None]
     if not learn:
       raise ValueError('prepare_qat: learn_scales=True, but the policy keeps every layer float '
                        '(no format, no scale to learn); fix the policy or learn_scales=False.')
@@ -180,7 +148,7 @@ def prepare_qat(model: nnx.Module, policy: QuantPolicy, *,
                        f'learned; learned layers are {learn}.')
   for path in learn:
     layer = layers[path]
-    fmt = layer.fake_fmt
+    fmt = layer.quant.fake_fmt
     if fmt is None:
       reason = report[path].reason
       raise ValueError(f'prepare_qat: layer {path!r} stays float under the policy ({reason}), '
@@ -191,17 +159,20 @@ def prepare_qat(model: nnx.Module, policy: QuantPolicy, *,
       init = ranges.get(path)
     else:
       init = ranges
-    scale, zp = _raw_for(*_init_scale(layer, fmt, init), fmt)
-    layer.qat_scale = nnx.data(QATScale(scale.astype(jnp.float32)))
-    if zp is not None:
-      layer.qat_zero_point = nnx.data(QATScale(zp.astype(jnp.float32)))
+    try:
+      scale, zp = init_learned(layer.w.get_value(), fmt, init)
+    except ValueError as e:
+      raise ValueError(f'prepare_qat: layer {path!r}: {e}') from None
+    learned = {'qat_scale': scale} if zp is None else {'qat_scale': scale, 'qat_zero_point': zp}
+    layer.set_quant(layer.quant.replace(learn_scale=True), **learned)
 
   if act or pact is not None:
     acted = []
     for path, layer in layers.items():
       rule = policy.match(path)[1]
-      if layer.fake_fmt is not None and rule is not None and rule.act is not None:
-        layer.fake_act_fmt = activation_format(layer, layer.fake_fmt, rule.act)
+      fmt = layer.quant.fake_fmt
+      if fmt is not None and rule is not None and rule.act is not None:
+        layer.set_quant(layer.quant.replace(fake_act_fmt=activation_format(layer, fmt, rule.act)))
         acted.append(path)
     if not acted:
       raise ValueError('prepare_qat: act=True / pact given, but no rule of the policy has an '
@@ -213,7 +184,8 @@ def prepare_qat(model: nnx.Module, policy: QuantPolicy, *,
         raise ValueError(f'prepare_qat: pact={pact!r}; the clip a of [-a, a] must be > 0 '
                          '(e.g. a few times the inputs\' rms).')
       for path in acted:
-        layers[path].act_clip = nnx.data(QATScale(jnp.asarray(pact, jnp.float32)))
+        layer = layers[path]
+        layer.set_quant(layer.quant.replace(pact=True), act_clip=jnp.asarray(pact, jnp.float32))
   return qat, report
 
 

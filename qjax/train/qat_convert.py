@@ -1,10 +1,10 @@
 """Conversion of a trained QAT model to the real quantized model it was trained to be.
 
 `convert` hands the trained weights and their learned scales to `quantize_model` as
-precomputed ranges (`learned_ranges`): `range_for` inverts a scale to a range that the core's
-`scale_and_zero_point` maps back to exactly that scale, so the stored scales and zero points
-are the ones the forward trained with. PACT clips and the attention's KV format are part of
-what the model computes and are kept (`float_model`).
+precomputed ranges (`learned_ranges`, through `qjax.core.conversion_range`: a range that the
+core's `scale_and_zero_point` maps back to exactly the learned scale), so the stored scales
+and zero points are the ones the forward trained with. PACT clips and the attention's KV
+format are part of what the model computes and are kept (`float_model`).
 """
 
 from __future__ import annotations
@@ -12,103 +12,35 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from qjax.core import QFormat, scale_and_zero_point
+from qjax.core import conversion_range, learned_qparams
 from qjax.nn import QuantPolicy, QuantReport, einsum_layers, quantize_model
-from qjax.nn.layers import learned_qparams, learned_range
+
+
+def _learned_pairs(model: nnx.Module):
+  """(path, raw scale, raw zero point or None, format) of every layer with learned scales."""
+  for path, layer in einsum_layers(model):
+    if layer.quant.learn_scale:
+      zp = None if layer.qat_zero_point is None else layer.qat_zero_point[...]
+      yield path, layer.qat_scale[...], zp, layer.quant.fake_fmt
 
 
 def learned_scales(model: nnx.Module) -> dict[str, tuple[jax.Array, Optional[jax.Array]]]:
   """{path: (scale, zero point)} of every learned scale, exactly as the forward uses them."""
-  out = {}
-  for path, layer in einsum_layers(model):
-    if layer.qat_scale is not None:
-      zp = None if layer.qat_zero_point is None else layer.qat_zero_point[...]
-      out[path] = learned_qparams(layer.qat_scale[...], zp, layer.fake_fmt)
-  return out
+  return {path: learned_qparams(s, z, fmt) for path, s, z, fmt in _learned_pairs(model)}
 
 
 def learned_ranges(model: nnx.Module) -> dict[str, tuple[jax.Array, jax.Array]]:
-  """{path: (lo, hi)} from which `quantize` recomputes exactly the learned scales.
-
-  Non-power-of-two scales: the `learned_range` the forward itself mapped through
-  `scale_and_zero_point`; powers of two: `range_for`. Either way checked here.
-  """
+  """{path: (lo, hi)} from which `quantize` recomputes exactly the learned scales
+  (`qjax.core.conversion_range`, which checks it)."""
   out = {}
-  for path, layer in einsum_layers(model):
-    if layer.qat_scale is None:
-      continue
-    fmt = layer.fake_fmt
-    zp = None if layer.qat_zero_point is None else layer.qat_zero_point[...]
-    s, z = learned_qparams(layer.qat_scale[...], zp, fmt)
-    if fmt.pow2_scale:
-      out[path] = range_for(s, z, fmt)
-      continue
-    lo, hi = learned_range(layer.qat_scale[...], zp, fmt)
-    got_s, got_z = scale_and_zero_point(lo, hi, fmt)
-    if not (np.array_equal(np.asarray(got_s, np.float32), np.asarray(s))
-            and (z is None or np.array_equal(np.asarray(got_z, np.float32), np.asarray(z)))):
-      raise RuntimeError(f'learned_ranges: layer {path!r}: quantize would not reproduce the '
-                         'learned scales from their range; this is a bug, please report it.')
-    out[path] = (lo, hi)
+  for path, s, z, fmt in _learned_pairs(model):
+    try:
+      out[path] = conversion_range(s, z, fmt)
+    except RuntimeError as e:
+      raise RuntimeError(f'learned_ranges: layer {path!r}: {e}') from None
   return out
-
-
-# Ulp steps tried (in order) when inverting a scale to a range: `amax * (1/qmax)` may land an
-# ulp off, and a power-of-two scale must not round up to the next power.
-ULP_STEPS = (0,) + tuple(k * sign for k in range(1, 33) for sign in (-1, 1))
-
-
-def step_ulps(x: np.ndarray, k: int) -> np.ndarray:
-  for _ in range(abs(k)):
-    x = np.nextafter(x, np.float32(np.inf if k > 0 else -np.inf)).astype(np.float32)
-  return x
-
-
-def range_for(scale, zero_point, fmt: QFormat) -> tuple[jax.Array, jax.Array]:
-  """A (lo, hi) that `scale_and_zero_point` maps back to exactly (scale, zero_point).
-
-  Args:
-    scale: positive scales in the grouped view, representable in `fmt.scale_dtype` (and
-      powers of two for `pow2_scale` formats), e.g. from `learned_qparams`.
-    zero_point: integer zero points in [qmin, qmax] (asymmetric formats), or None.
-    fmt: the format.
-
-  Returns:
-    (lo, hi) float32 arrays of the scale's shape.
-  """
-  s = np.asarray(scale, np.float32)
-  z = None if fmt.symmetric else np.asarray(zero_point, np.float32)
-  if fmt.symmetric:
-    lo0, hi0 = -s * np.float32(fmt.qmax), s * np.float32(fmt.qmax)
-  else:
-    lo0, hi0 = (np.float32(fmt.qmin) - z) * s, (np.float32(fmt.qmax) - z) * s
-  # Move the end that sets the span (the larger in magnitude), an ulp at a time.
-  move_hi = hi0 >= -lo0
-  lo, hi = lo0.copy(), hi0.copy()
-  todo = np.ones(s.shape, bool)
-  for k in ULP_STEPS:
-    if fmt.symmetric:
-      c_hi = step_ulps(hi0, k)
-      c_lo = -c_hi
-    else:
-      c_hi = np.where(move_hi, step_ulps(hi0, k), hi0)
-      c_lo = np.where(move_hi, lo0, step_ulps(lo0, -k))
-    got_s, got_z = scale_and_zero_point(jnp.asarray(c_lo), jnp.asarray(c_hi), fmt)
-    ok = np.asarray(got_s, np.float32) == s
-    if z is not None:
-      ok &= np.asarray(got_z, np.float32) == z
-    take = todo & ok
-    lo, hi = np.where(take, c_lo, lo), np.where(take, c_hi, hi)
-    todo &= ~ok
-    if not todo.any():
-      return jnp.asarray(lo), jnp.asarray(hi)
-  raise ValueError(f'range_for: {int(todo.sum())} {fmt.name} scale(s) have no range that '
-                   f'reproduces them (e.g. {s[todo][:3]}); scales must be positive, finite and '
-                   f'representable in {fmt.scale_dtype} (pass them through learned_qparams).')
 
 
 def float_model(model: nnx.Module) -> nnx.Module:
@@ -119,8 +51,7 @@ def float_model(model: nnx.Module) -> nnx.Module:
   """
   fm = nnx.clone(model)
   for _, layer in einsum_layers(fm):
-    layer.fake_fmt = layer.fake_act_fmt = None
-    layer.qat_scale = layer.qat_zero_point = None
+    layer.set_quant(layer.quant.replace(fake_fmt=None, learn_scale=False, fake_act_fmt=None))
   return fm
 
 
@@ -146,7 +77,7 @@ def convert(model: nnx.Module, policy: QuantPolicy, **overrides) -> tuple[nnx.Mo
                                           **overrides})
   qmodel, report = quantize_model(float_model(model), policy, calibration=ranges or None)
   for l in report.layers:
-    fmt = layers[l.path].fake_fmt
+    fmt = layers[l.path].quant.fake_fmt
     trained = fmt.name if fmt is not None else 'float'
     if trained != l.weight:
       raise ValueError(f'convert: layer {l.path!r} trained as {trained} but the policy makes it '

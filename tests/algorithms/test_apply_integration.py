@@ -14,17 +14,15 @@ import pytest
 from flax import nnx
 
 from qjax.algorithms import llm_int8_matmul
-from qjax.algorithms.apply import METHODS, _block_fwd, apply_method, rebuild_structure
+from qjax.algorithms.apply import METHODS, _block_fwd, apply_method
 from qjax.algorithms.stages import fold_scales, stage_keys
 from qjax.algorithms.awq_core import awq_scales
 from qjax.algorithms.calibrate import collect_stats
-from qjax.algorithms.llm_int8 import LLMInt8Einsum
 from qjax.algorithms.smoothquant_core import smooth_scales
-from qjax.checkpoints import restore_state, save_state
+from qjax.checkpoints import restore_state, save_state, skeleton, structure_fields
 from qjax.core import QArray, fp8_format, int_format
 from qjax.eval import logits
-from qjax.nn import (QuantPolicy, QuantRule, Transformer, TransformerConfig, einsum_layers,
-                     quantize_model)
+from qjax.nn import QuantPolicy, QuantRule, Transformer, TransformerConfig, einsum_layers
 
 INT3 = QuantPolicy((QuantRule('embed', exempt=True), QuantRule('.*', int_format(3, group_size=16))))
 W8A8 = QuantPolicy((QuantRule('embed', exempt=True),
@@ -174,10 +172,10 @@ def test_llm_int8(outlier_model, data):
   assert rep['layers/0/attn/q_proj'].bytes_after > rep['layers/0/attn/q_proj'].bytes_before
   # The layer is the einsum form of llm_int8_core's matmul.
   layer = q.layers[0].mlp.up_proj
-  assert isinstance(layer, LLMInt8Einsum)
+  assert layer.quant.outlier_threshold == 6.0 and layer.quant.outlier_weights == 'float'
   x = jax.random.normal(jax.random.key(3), (2, 5, 64)).at[..., 7].mul(20.0)
   y_core, frac_core = llm_int8_matmul(x, layer.w_outlier.get_value(), 6.0)
-  y, f = layer.forward(x, layer.w.get_value())
+  y, f = layer.outlier_forward(x, layer.w.get_value())
   np.testing.assert_allclose(y, y_core, rtol=1e-5, atol=1e-5)
   assert float(f) == float(frac_core) == 1 - 1 / 64
 
@@ -188,8 +186,7 @@ def test_orbax_round_trip_with_rebuilt_structure(outlier_model, data, tmp_path, 
                                                  options):
   q, _, rec = apply_method(outlier_model, policy, method, data[0], options)
   save_state(str(tmp_path), q)
-  loaded = restore_state(str(tmp_path), lambda: rebuild_structure(
-      quantize_model(Transformer(outlier_model.config, rngs=nnx.Rngs(1)), policy)[0], rec))
+  loaded = restore_state(str(tmp_path), lambda: skeleton(structure_fields(q, policy)))
   np.testing.assert_array_equal(logits(loaded, data[1]), logits(q, data[1]))
 
 

@@ -12,6 +12,7 @@ from conftest import tiny_reference
 from configs import ptq_algorithms
 from configs import quantize as quantize_config
 from qjax import checkpoints as qckpt
+from qjax import nn as qnn
 from qjax import pipeline
 from qjax.algorithms.apply import METHOD_OPTIONS
 from qjax.train import data as qdata
@@ -80,12 +81,14 @@ def test_swapped_modules_are_rebuilt_on_load(ref, tmp_path, method, quant, optio
   record = qckpt.read_record(out)
   assert record['calibration']['structure']  # something was swapped, and recorded
   loaded, _ = qckpt.load_quantized(out)
-  want = {'llm_int8': 'LLMInt8Einsum', 'explicit_scale': 'ScaledEinsum'}
+  layers = dict(qnn.einsum_layers(loaded))
   for path, kind in record['calibration']['structure'].items():
-    node = loaded
-    for part in path.split('/'):
-      node = node[int(part)] if part.isdigit() else getattr(node, part)
-    assert type(node).__name__ == want[kind], path
+    quant = layers[path].quant  # rebuilt from the record's description
+    assert qnn.EinsumQuant.from_dict(record['einsum_quant'][path]) == quant, path
+    if kind == 'llm_int8':
+      assert quant.outlier_threshold is not None, path
+    else:
+      assert kind == 'explicit_scale' and quant.input_scale, path
   if method == 'llm_int8':
     assert 0.0 < row['int8_fraction'] <= 1.0
     assert record['evaluation']['int8_fraction'] == row['int8_fraction']

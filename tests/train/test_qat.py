@@ -9,8 +9,8 @@ from flax import nnx
 
 from qjax.algorithms import apply_method
 from qjax.core import compute_range, int_format, fp8_format, scale_and_zero_point
-from qjax.nn import (QuantPolicy, QuantRule, Transformer, TransformerConfig, einsum_layers,
-                     quantize_model)
+from qjax.nn import (EinsumQuant, QuantPolicy, QuantRule, Transformer, TransformerConfig,
+                     einsum_layers, quantize_model)
 from qjax.train import (QATScale, convert, learned_scales, make_optimizer, make_qat_optimizer,
                         prepare_qat, qat_step, range_for)
 
@@ -54,15 +54,14 @@ def test_ste_gradient_in_a_model_is_identity_inside_zero_outside(model, tokens):
   """d loss / d w equals d loss / d w_hat (at the fake-quantized weight) or 0 if clipped."""
   pol = _policy(int_format(4))
   up = model.layers[0].mlp.up_proj.w[...]
-  lo, hi = compute_range(up, _layer(prepare_qat(model, pol)[0], UP).fake_fmt)
+  lo, hi = compute_range(up, _layer(prepare_qat(model, pol)[0], UP).quant.fake_fmt)
   half = {UP: (lo * 0.5, hi * 0.5)}  # a clipping range: some weights fall outside it
   qat, _ = prepare_qat(model, pol, learn_scales=UP, ranges=half)
   layer = _layer(qat, UP)
   w_hat = layer.fake_weight(layer.w[...])
   ref = nnx.clone(qat)
   _layer(ref, UP).w[...] = w_hat
-  _layer(ref, UP).fake_fmt = None
-  _layer(ref, UP).qat_scale = None
+  _layer(ref, UP).quant = EinsumQuant()  # float again: no fake format, no learned scale
 
   def grad_up(m):
     g = nnx.grad(lambda m: jnp.sum(m(tokens) ** 2) * 1e-3)(m)
@@ -129,7 +128,7 @@ def test_pow2_fake_quant_forward_equals_converted_model_bit_for_bit(model, token
   qat = _train(prepare_qat(model, pol, learn_scales=learn)[0])
   qmodel, report = convert(qat, pol)
   down = 'layers/0/mlp/down_proj'
-  assert report[down].weight == _layer(qat, down).fake_fmt.name
+  assert report[down].weight == _layer(qat, down).quant.fake_fmt.name
   np.testing.assert_array_equal(_logits(qat, tokens), _logits(qmodel, tokens))
   np.testing.assert_array_equal(qat(tokens), qmodel(tokens))  # eager too
 
@@ -152,8 +151,8 @@ def test_learned_scales_are_stored_exactly(model):
     np.testing.assert_array_equal(q.scale, s)
     np.testing.assert_array_equal(q.zero_point, z)
   # the scales did move away from their calibrated start
-  s0, _ = scale_and_zero_point(*compute_range(model.layers[0].mlp.up_proj.w[...],
-                                              _layer(qat, UP).fake_fmt), _layer(qat, UP).fake_fmt)
+  fmt = _layer(qat, UP).quant.fake_fmt
+  s0, _ = scale_and_zero_point(*compute_range(model.layers[0].mlp.up_proj.w[...], fmt), fmt)
   assert not np.array_equal(np.asarray(s0), np.asarray(learned_scales(qat)[UP][0]))
 
 
@@ -173,14 +172,16 @@ def test_activation_qat_and_pact_convert_within_tolerance(model, tokens):
   pol = _policy(int_format(4, group_size=16), path='int8', act=int_format(8))
   qat, _ = prepare_qat(model, pol, learn_scales=True, act=True, pact=0.5)
   layer = _layer(qat, UP)
-  assert layer.fake_act_fmt.channel_axes == (0, 1) and layer.fake_act_fmt.group_size == 16
-  o_proj = _layer(qat, 'layers/0/attn/o_proj').fake_act_fmt  # per token, head and H-group
+  act = layer.quant.fake_act_fmt
+  assert act.channel_axes == (0, 1) and act.group_size == 16
+  o_proj = _layer(qat, 'layers/0/attn/o_proj').quant.fake_act_fmt  # per token, head, H-group
   assert o_proj.channel_axes == (0, 1, 2) and o_proj.group_axis == 3
   g = nnx.grad(lambda m: jnp.sum(m(tokens * 0 + 3) ** 2), argnums=nnx.DiffState(0, QATScale))(qat)
   assert float(jnp.abs(g['layers'][0]['mlp']['up_proj']['act_clip'][...])) > 0  # PACT learns
   qat = _train(qat)
   qmodel, _ = convert(qat, pol)
-  assert _layer(qmodel, UP).act_clip is not None and _layer(qmodel, UP).act_fmt is not None
+  served = _layer(qmodel, UP)
+  assert served.act_clip is not None and served.quant.pact and served.quant.act_fmt is not None
   a, b = _logits(qat, tokens), _logits(qmodel, tokens)
   # Integer accumulation vs float accumulation of the same codes: rounding only.
   np.testing.assert_allclose(a, b, atol=1e-3 * np.abs(a).max())
@@ -229,7 +230,7 @@ def test_qat_starts_from_a_ptq_model(model, tokens, fmt):
 
 def test_qat_starts_from_per_layer_ranges(model):
   pol = _policy(int_format(4, group_size=16))
-  fmt = _layer(prepare_qat(model, pol)[0], UP).fake_fmt
+  fmt = _layer(prepare_qat(model, pol)[0], UP).quant.fake_fmt
   lo, hi = compute_range(model.layers[0].mlp.up_proj.w[...], fmt, 'mse')
   qat, _ = prepare_qat(model, pol, learn_scales=True, ranges={UP: (lo, hi)})
   np.testing.assert_allclose(learned_scales(qat)[UP][0], scale_and_zero_point(lo, hi, fmt)[0],

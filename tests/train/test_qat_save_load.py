@@ -38,6 +38,7 @@ def _logits(m, tokens):
   return np.asarray(nnx.jit(lambda m, t: m(t))(m, tokens))
 
 
+UP = 'layers/0/mlp/up_proj'
 TOKENS = jax.random.randint(jax.random.key(1), (2, 16), 0, CFG.vocab_size)
 
 
@@ -47,7 +48,7 @@ def test_pact_model_reloads_with_its_clips_bit_for_bit(tmp_path):
   assert len(clips) == 7 and len(set(clips.values())) > 1  # trained apart from 0.5
   save_quantized(str(tmp_path), qmodel, W4A8, _record())
   record = json.load(open(os.path.join(tmp_path, RECORD_NAME)))
-  assert sorted(record['act_clip_paths']) == sorted(clips)
+  assert sorted(p for p, q in record['einsum_quant'].items() if q['pact']) == sorted(clips)
   assert record['kv_qformat'] is None
 
   loaded, _ = load_quantized(str(tmp_path))
@@ -56,7 +57,7 @@ def test_pact_model_reloads_with_its_clips_bit_for_bit(tmp_path):
   np.testing.assert_array_equal(_logits(loaded, TOKENS), _logits(qmodel, TOKENS))
   # The clips matter: the same weights without them give other logits.
   for _, l in einsum_layers(loaded):
-    l.act_clip = None
+    l.quant = l.quant.replace(pact=False)
   assert not np.allclose(_logits(loaded, TOKENS), _logits(qmodel, TOKENS), atol=1e-4)
 
 
@@ -68,7 +69,8 @@ def test_kv_qat_model_reloads_with_its_kv_format(tmp_path):
                    _record(kv_cache_format='float32 (not quantized)'))
   save_quantized(str(tmp_path), qmodel, W4A8, _record(kv_cache_format='int4-ch012 (per token)'))
   loaded, record = load_quantized(str(tmp_path))
-  assert record['kv_qformat']['bits'] == 4 and record['act_clip_paths'] == []
+  assert record['kv_qformat']['bits'] == 4
+  assert not any(q['pact'] for q in record['einsum_quant'].values())
   assert kv_format(loaded) == kv_format(qmodel) and kv_format(loaded).name == 'int4-ch012'
   np.testing.assert_array_equal(_logits(loaded, TOKENS), _logits(qmodel, TOKENS))
 
@@ -78,7 +80,33 @@ def test_a_record_naming_a_missing_layer_is_refused(tmp_path):
   save_quantized(str(tmp_path), qmodel, W4A8, _record())
   path = os.path.join(tmp_path, RECORD_NAME)
   record = json.load(open(path))
-  record['act_clip_paths'].append('layers/7/mlp/up_proj')
+  record['einsum_quant']['layers/7/mlp/up_proj'] = record['einsum_quant'][UP]
   json.dump(record, open(path, 'w'))
-  with pytest.raises(ValueError, match="PACT clip on 'layers/7/mlp/up_proj'"):
+  with pytest.raises(ValueError, match=r"einsum_quant describes \['layers/7/mlp/up_proj'\]"):
+    load_quantized(str(tmp_path))
+
+
+def test_a_record_from_before_einsum_quant_still_loads(tmp_path):
+  """Older records named the PACT layers ('act_clip_paths') instead of descriptions."""
+  qmodel, _ = convert(_trained(act=True, pact=0.5), W4A8)
+  save_quantized(str(tmp_path), qmodel, W4A8, _record())
+  path = os.path.join(tmp_path, RECORD_NAME)
+  record = json.load(open(path))
+  record['act_clip_paths'] = [p for p, q in record.pop('einsum_quant').items() if q['pact']]
+  json.dump(record, open(path, 'w'))
+  loaded, _ = load_quantized(str(tmp_path))
+  assert all(l.quant == m.quant for (_, l), (_, m) in zip(einsum_layers(loaded),
+                                                          einsum_layers(qmodel)))
+  np.testing.assert_array_equal(_logits(loaded, TOKENS), _logits(qmodel, TOKENS))
+
+
+def test_a_record_with_an_unknown_description_field_is_refused(tmp_path):
+  qmodel, _ = convert(_trained(act=True, pact=0.5), W4A8)
+  save_quantized(str(tmp_path), qmodel, W4A8, _record())
+  path = os.path.join(tmp_path, RECORD_NAME)
+  record = json.load(open(path))
+  record['einsum_quant'][UP]['hqq'] = True
+  json.dump(record, open(path, 'w'))
+  with pytest.raises(ValueError, match=r"einsum_quant of 'layers/0/mlp/up_proj'.*unknown fields "
+                                       r"\['hqq'\]"):
     load_quantized(str(tmp_path))
