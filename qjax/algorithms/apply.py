@@ -116,7 +116,7 @@ def _smoothquant_stage(ctx, stage, prefix, todo, st):
   for p in todo:
     layer, fmt, w = module_at(ctx.qmodel, p), ctx.fmts[p][0], ctx.float_weight(p)
     q = smoothquant.quantize_scaled(w, s_nat, EinsumView.of(layer), fmt)
-    layer.w.set_value(dataclasses.replace(q, dtype_name=jnp.dtype(w.dtype).name))
+    layer.w.set_value(q.with_dtype(w.dtype))
   fold = migrate(ctx, stage, prefix, todo, s_nat, plan)
   ctx.stages.append({'layers': todo, 'fold': fold, 'alpha': ctx.opts['alpha'],
                      'scale_range': [float(jnp.min(s_nat)), float(jnp.max(s_nat))]})
@@ -207,7 +207,7 @@ def apply_method(model: Transformer, policy: QuantPolicy, method: str, calib_tok
                      'the walk (block inputs, stages, fold targets) is written for it.')
   cfg = model.config
   batches = calibration_batches(calib_tokens, cfg.vocab_size, cfg.max_len, opts['batch_size'])
-  fmts = {p: (l.w.get_value().fmt, l.quant.act_fmt) for p, l in einsum_layers(qmodel)
+  fmts = {p: (l.w.get_metadata()['qformat'], l.quant.act_fmt) for p, l in einsum_layers(qmodel)
           if l.quantized}
   _check_formats(method, qmodel, fmts)
   ctx = WalkState(model, qmodel, fmts, opts)

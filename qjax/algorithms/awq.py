@@ -10,7 +10,6 @@ clip search) and is laid back out as the QArray `quantize_model` would store. Fo
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -83,7 +82,7 @@ def search_stage(layers: list[tuple[jax.Array, EinsumView, QFormat]], act_nat: j
     r = awq_search(w2, a2, h2, fmt2, alpha=alpha, clip_search=bool(opts['clip_search']),
                    clip_grid=int(opts['clip_grid']), max_shrink=float(opts['max_shrink']))
     q, _, e_rtn = finish(w2, h2, r.qweight, view, fmt)
-    qs.append(dataclasses.replace(q, dtype_name=jnp.dtype(w.dtype).name))
+    qs.append(q.with_dtype(w.dtype))
     err += r.error
     rtn += float(e_rtn)
   s_nat = awq_scales(act_nat, alpha)

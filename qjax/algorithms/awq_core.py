@@ -17,7 +17,6 @@ shrinks each scale group's range (llm-awq's `auto_clip`) on the already scaled w
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple, Optional
 
@@ -26,9 +25,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from qjax.algorithms import _checks
-from qjax.core.calibration import compute_range, grouped_view_shape
+from qjax.core.calibration import compute_range
 from qjax.core.formats import QFormat
-from qjax.core.qarray import QArray, dequantize, fake_round, quantize, scale_and_zero_point
+from qjax.core.numerics import fake_round, scale_and_zero_point, scale_shape
+from qjax.core.qarray import QArray, dequantize, quantize
 
 _HI = lax.Precision.HIGHEST
 _MIN_REL_ACT = 1e-5  # floor on mean|x| relative to its max: dead channels get finite scales
@@ -103,8 +103,6 @@ def _clip_range(ws_DF, hs_DD, *, fmt: QFormat, n_grid: int, max_shrink):
   d, f = ws_DF.shape
   g = fmt.group_size or d
   n = d // g
-  view, _ = grouped_view_shape(ws_DF.shape, fmt)
-  wv = ws_DF.reshape(view)
   lo0, hi0 = compute_range(ws_DF, fmt)
   # Diagonal G x G blocks of H: the search scores each group on its own inputs (as auto_clip
   # does), ignoring the cross-group terms, so groups can be chosen independently.
@@ -113,10 +111,10 @@ def _clip_range(ws_DF, hs_DD, *, fmt: QFormat, n_grid: int, max_shrink):
   for r in jnp.linspace(1.0, 1.0 - max_shrink, n_grid):
     lo, hi = lo0 * r, hi0 * r
     scale, zp = scale_and_zero_point(lo, hi, fmt)
-    dw = (wv - fake_round(wv, scale, zp, fmt)).reshape(n, g, f)
+    dw = (ws_DF - fake_round(ws_DF, scale, zp, fmt)).reshape(n, g, f)
     e = jnp.einsum('ngf,ngh,nhf->nf', dw, hb, dw, precision=_HI)
     e = e if fmt.channel_axes else jnp.sum(e, axis=1, keepdims=True)
-    e = e.reshape(lo.shape)  # (n, 1, F|1) with groups, (1, F|1) without
+    e = e.reshape(lo.shape)  # the scale layout: (n, F|1) with groups, (1, F|1) without
     if best is None:
       best = (e, lo, hi)
     else:
@@ -167,7 +165,7 @@ def awq_search(w_DF: jax.Array, act_absmean_D: jax.Array, h_DD: jax.Array, fmt: 
   if not 0.0 <= max_shrink < 1.0:
     raise ValueError(f'awq_search: max_shrink={max_shrink} must be in [0, 1) (0.5 lets the '
                      'clip search cut up to half of each range).')
-  grouped_view_shape(w_DF.shape, fmt)  # group_size must divide D
+  scale_shape(w_DF.shape, fmt)  # group_size must divide D
 
   w = jnp.asarray(w_DF, jnp.float32)
   act = jnp.asarray(act_absmean_D, jnp.float32)
@@ -187,5 +185,5 @@ def awq_search(w_DF: jax.Array, act_absmean_D: jax.Array, h_DD: jax.Array, fmt: 
     err_c = float(output_error(w - dequantize(qc) / s[:, None], h))
     if err_c < err:
       q, err = qc, err_c
-  q = dataclasses.replace(q, dtype_name=jnp.dtype(w_DF.dtype).name)
+  q = q.with_dtype(w_DF.dtype)
   return AWQResult(q, s, best_alpha, err, errors)

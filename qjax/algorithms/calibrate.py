@@ -31,7 +31,7 @@ from flax import nnx
 
 from qjax.algorithms.awq_core import absmean_update
 from qjax.algorithms.gptq_core import hessian_update
-from qjax.core import QArray, QFormat, grouped_view_shape, pack, quantize
+from qjax.core import QArray, QFormat, broadcast_scale, first_of_tiles, from_codes, scale_shape
 from qjax.core.formats import normalize_axis
 from qjax.nn import einsum_layers
 from qjax.nn.layers import Einsum, parse_spec, tap_inputs
@@ -172,24 +172,16 @@ class EinsumView:
 
   def to_qarray(self, q2: QArray, fmt: QFormat) -> QArray:
     """The QArray `quantize(w, fmt)` would lay out, holding the codes and scales of `q2`."""
-    target = jax.eval_shape(lambda w: quantize(w, fmt),
-                            jax.ShapeDtypeStruct(self.shape, jnp.float32))
-    codes = self.from_2d(q2.codes())
-    data = pack(codes, target.fmt.bits) if target.fmt.packed else codes
-    view, reduce = grouped_view_shape(self.shape, target.fmt)
-    view2 = grouped_view_shape((self.rows, self.cols), q2.fmt)[0]
-    keep = tuple(slice(0, 1) if a in reduce else slice(None) for a in range(len(view)))
+    sshape = scale_shape(self.shape, fmt)
 
-    def relayout(a2):  # per-scale array: broadcast to every element, move, keep one per scale
+    def relayout(a2):  # per-scale array: repeat over its tiles, move, keep one per tile
       if a2 is None:
         return None
-      full = self.from_2d(jnp.broadcast_to(a2, view2).reshape(self.rows, self.cols))
-      return full.reshape(view)[keep].astype(a2.dtype)
+      full = self.from_2d(broadcast_scale(a2, (self.rows, self.cols)))
+      return first_of_tiles(full, sshape).astype(a2.dtype)
 
-    out = QArray(data, relayout(q2.scale), relayout(q2.zero_point), target.fmt,
-                 self.shape[-1], q2.dtype_name)
-    assert out.scale.shape == target.scale.shape and out.data.shape == target.data.shape
-    return out
+    return from_codes(self.from_2d(q2.codes()), relayout(q2.scale), relayout(q2.zero_point),
+                      q2.qtype, q2.dtype)
 
 
 # ---- streamed statistics of Einsum inputs -------------------------------------------------

@@ -9,7 +9,6 @@ store (same format, shapes and packing), so the model runs it through `qeinsum` 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -54,7 +53,7 @@ def quantize_layer(w: jax.Array, view: EinsumView, fmt: QFormat, h_nat: jax.Arra
   fmt2 = view.fmt2(fmt)
   q2 = gptq_quantize(w2, h2, fmt2, damp=damp, block_size=block_size, act_order=act_order)
   q, err, rtn = finish(w2, h2, q2, view, fmt)
-  q = dataclasses.replace(q, dtype_name=jnp.dtype(w.dtype).name)
+  q = q.with_dtype(w.dtype)
   return q, {'output_error': float(err), 'rtn_output_error': float(rtn)}
 
 
@@ -68,5 +67,5 @@ def _views(w, h_nat, view: EinsumView):
 def finish(w2, h2, q2: QArray, view: EinsumView, fmt: QFormat):
   """(q2 in the layer's QArray layout, its output error, RTN's output error), compiled once."""
   err = output_error(w2 - dequantize(q2, jnp.float32), h2)
-  rtn = output_error(w2 - dequantize(quantize(w2, q2.fmt), jnp.float32), h2)
+  rtn = output_error(w2 - dequantize(quantize(w2, view.fmt2(fmt)), jnp.float32), h2)
   return view.to_qarray(q2, fmt), err, rtn

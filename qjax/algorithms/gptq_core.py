@@ -21,7 +21,6 @@ than from the unmodified weight (the two agree when no row of the group has been
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Optional
 
@@ -31,9 +30,10 @@ import numpy as np
 from jax import lax
 
 from qjax.algorithms import _checks
-from qjax.core.calibration import compute_range, grouped_view_shape
+from qjax.core.calibration import compute_range
 from qjax.core.formats import QFormat
-from qjax.core.qarray import QArray, fake_round, quantize, scale_and_zero_point
+from qjax.core.numerics import fake_round, scale_and_zero_point, scale_shape
+from qjax.core.qarray import QArray, quantize
 
 _HI = lax.Precision.HIGHEST  # TF32 on GPU would blur the error feedback
 
@@ -182,7 +182,7 @@ def gptq_quantize(w_DF: jax.Array, h_DD: jax.Array, fmt: QFormat, *, damp: float
                      '(typically 128).')
   _checks.check_finite(w_DF, 'gptq_quantize: w_DF')
   _checks.check_finite(h_DD, 'gptq_quantize: h_DD')
-  grouped_view_shape(w_DF.shape, fmt)  # group_size must divide D: fail before the sweep
+  scale_shape(w_DF.shape, fmt)  # group_size must divide D: fail before the sweep
 
   w = jnp.asarray(w_DF, jnp.float32)
   h = jnp.asarray(h_DD, jnp.float32)
@@ -211,12 +211,9 @@ def gptq_quantize(w_DF: jax.Array, h_DD: jax.Array, fmt: QFormat, *, damp: float
   # sweep used, in the core's layout and packing.
   rec = rec_p[np.argsort(perm)]
   per_channel = bool(fmt.channel_axes)
-  if fmt.group_size is None:
-    lo, hi = lo[:, :f if per_channel else 1], hi[:, :f if per_channel else 1]
-  else:
-    lo, hi = lo[:, None, :f if per_channel else 1], hi[:, None, :f if per_channel else 1]
+  lo, hi = lo[:, :f if per_channel else 1], hi[:, :f if per_channel else 1]  # scale layout
   q = _quantize_with_range(rec, lo, hi, fmt)
-  return dataclasses.replace(q, dtype_name=jnp.dtype(w_DF.dtype).name)
+  return q.with_dtype(w_DF.dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(3,))

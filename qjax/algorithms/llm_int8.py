@@ -21,7 +21,6 @@ from typing import Optional
 import jax
 
 from qjax.core import QArray
-from qjax.core.formats import normalize_axis
 from qjax.nn.einsum_quant import OUTLIER_WEIGHTS
 from qjax.nn.layers import Einsum
 
@@ -41,9 +40,11 @@ def check_options(opts: dict) -> None:
 def check_vector_wise(q: QArray, layer: Einsum, path: str) -> None:
   """LLM.int8() needs int8 codes with one scale per output element and no groups."""
   outputs = {a for a in range(q.ndim) if a not in layer.contracted_axes}
-  ch = {normalize_axis(a, q.ndim, 'channel_axes') for a in q.fmt.channel_axes}
-  if q.fmt.is_float or q.fmt.bits != 8 or q.fmt.group_size is not None or ch != outputs:
-    raise ValueError(f'llm_int8: layer {path!r} has weight format {q.fmt.name}; LLM.int8() is '
+  per_output = [a for a, t in enumerate(q.tile_shape) if t == 1 and q.shape[a] > 1]
+  whole = all(t == n for a, (t, n) in enumerate(zip(q.tile_shape, q.shape)) if a not in outputs)
+  if q.qtype.is_float or q.bits != 8 or not whole or set(per_output) != {
+      a for a in outputs if q.shape[a] > 1}:
+    raise ValueError(f'llm_int8: layer {path!r} has weight format {q.layout_name}; LLM.int8() is '
                      "vector-wise int8: use bits=8, no group_size, granularity='channel' "
                      '(4-bit and grouped weights: use gptq or awq).')
 

@@ -65,9 +65,9 @@ def llm_int8_matmul(x_MD: jax.Array, w: Union[jax.Array, QArray],
     raise ValueError(f'llm_int8_matmul: threshold={threshold} must be >= 0 (6.0 in the paper; '
                      "float('inf') disables the decomposition).")
   if isinstance(w, QArray):
-    per_column = tuple(a % 2 for a in w.fmt.channel_axes) == (1,)  # axis 1 / -1 of (D, F)
-    if w.fmt.is_float or w.fmt.bits != 8 or w.fmt.group_size is not None or not per_column:
-      raise ValueError(f'llm_int8_matmul: weight format {w.fmt.name} is not vector-wise int8; '
+    per_column = w.scale.shape == (1, w.shape[1])  # one scale per column of (D, F)
+    if w.qtype.is_float or w.bits != 8 or not per_column:
+      raise ValueError(f'llm_int8_matmul: weight format {w.layout_name} is not vector-wise int8; '
                        'quantize it with llm_int8_core.W8_FMT (int8, channel_axes=(1,)).')
     qw, w_float = w, dequantize(w, jnp.float32)
   else:

@@ -20,7 +20,6 @@ import numpy as np
 
 from qjax.algorithms.calibrate import EinsumView
 from qjax.core import QArray
-from qjax.core.formats import normalize_axis
 from qjax.nn import Transformer
 from qjax.nn.layers import Einsum
 
@@ -77,9 +76,8 @@ def plan_fold(ctx: WalkState, stage: Stage, prefix: str):
     return 'norm', into, None
   prev = module_at(ctx.qmodel, into)
   w = prev.w.get_value()
-  per_channel = not isinstance(w, QArray) or {
-      normalize_axis(a, w.ndim, 'channel_axes') for a in w.fmt.channel_axes} == set(
-          a for a in range(w.ndim) if a not in prev.contracted_axes)
+  per_channel = not isinstance(w, QArray) or all(
+      t == 1 for a, t in enumerate(w.tile_shape) if a not in prev.contracted_axes)
   # LLM.int8()'s float weight copy would escape the division, and a producer with an input
   # scale of its own is left as it is: fold explicitly instead.
   plain = not prev.quant.input_scale and prev.quant.outlier_threshold is None
@@ -97,10 +95,7 @@ def _divide_outputs(layer: Einsum, s_out) -> None:
   view, w = EinsumView.of(layer), layer.w.get_value()
   s = jnp.reshape(s_out, view.col_shape())
   if isinstance(w, QArray):
-    if w.fmt.group_size:
-      s = jnp.expand_dims(s, normalize_axis(w.fmt.group_axis, w.ndim, 'group_axis') + 1)
-    scale = (w.scale.astype(jnp.float32) / s).astype(w.scale.dtype)
-    layer.w.set_value(dataclasses.replace(w, scale=scale))
+    layer.w.set_value(w.scaled_by(s, divide=True))
   else:
     layer.w.set_value((w / s).astype(w.dtype))
 

@@ -15,7 +15,7 @@ from flax import nnx
 
 from qjax.checkpoints.orbax_io import restore_state, save_state
 from qjax.checkpoints.records import read_record, write_record
-from qjax.core import QFormat
+from qjax.core import LAYOUT_VERSION, QFormat
 from qjax.nn import (EinsumQuant, QuantPolicy, QuantRule, Transformer, TransformerConfig,
                      einsum_layers, kv_format, quantize_model, set_kv_format)
 
@@ -55,13 +55,15 @@ def structure_fields(qmodel: nnx.Module, policy: QuantPolicy) -> dict:
   Returns:
     {'policy': the policy as a dict, 'model_config': the TransformerConfig as a dict,
     'einsum_quant': {path: `EinsumQuant.to_dict()`} of every Einsum whose description is not
-    the default, 'kv_qformat': the attention's KV format as a dict, or None}.
+    the default, 'kv_qformat': the attention's KV format as a dict, or None, 'qarray_layout':
+    the QArray layout version (`qjax.core.LAYOUT_VERSION`)}.
   """
   return {'policy': policy_to_dict(policy),
           'model_config': dataclasses.asdict(qmodel.config),
           'einsum_quant': {p: l.quant.to_dict() for p, l in einsum_layers(qmodel)
                            if l.quant != EinsumQuant()},
-          'kv_qformat': _fmt_dict(kv_format(qmodel))}
+          'kv_qformat': _fmt_dict(kv_format(qmodel)),
+          'qarray_layout': LAYOUT_VERSION}
 
 
 def save_quantized(out_dir: str, qmodel: nnx.Module, policy: QuantPolicy, record: dict) -> str:
@@ -155,5 +157,11 @@ def skeleton(record: dict) -> nnx.Module:
 def load_quantized(out_dir: str, verify: bool = True):
   """(qmodel, record) from `save_quantized`'s directory; refuses modified artifacts."""
   record = read_record(out_dir, verify=verify)
+  layout = record.get('qarray_layout', 1)
+  if layout != LAYOUT_VERSION:
+    raise ValueError(f'load_quantized: {out_dir!r} stores QArrays in layout version {layout} '
+                     f'(its record\'s qarray_layout; 1 = the rank+1 "grouped view" scales of '
+                     f'qjax < 0.2), but this qjax reads layout {LAYOUT_VERSION} (scales of the '
+                     "data's rank). Re-run the conversion with this version of qjax.")
   qmodel = restore_state(out_dir, lambda: skeleton(record))
   return qmodel, record

@@ -1,21 +1,26 @@
-"""Quantization core: formats, the QArray pytree, packing, calibration, qdot, fake_quant."""
+"""Quantization core: formats, the QArray pytree, its numerics, packing, calibration, qdot,
+fake quantization and learned (LSQ / PACT) quantization parameters."""
 
 __all__ = [
-    "QArray", "QFormat", "absmax_range", "choose_path", "compute_range", "dequantize",
-    "estimate_nbytes", "fake_quant", "fake_quant_view", "fp8_format", "grouped_view",
-    "grouped_view_shape", "int_format", "max_abs_error", "minmax_range", "mse", "mse_range",
-    "nbytes", "pack", "packed_length", "percentile_range", "qdot", "qeinsum", "quantize",
-    "round_ste", "scale_and_zero_point", "sqnr_db", "unpack",
+    "LAYOUT_VERSION", "QArray", "QFormat", "QType", "absmax_range", "broadcast_scale",
+    "check_finite", "choose_path", "compute_range", "conversion_range", "dequantize",
+    "estimate_nbytes", "fake_quant", "fake_quant_view", "fake_round", "first_of_tiles", "fp8_format",
+    "from_codes", "init_learned", "int_format", "learned_fake_quant", "learned_qparams",
+    "learned_range", "max_abs_error", "minmax_range", "mse", "mse_range", "nbytes", "pact_clip",
+    "pack", "packed_length", "percentile_range", "qdot", "qeinsum", "quantize", "range_for",
+    "round_ste", "scale_and_zero_point", "scale_shape", "sqnr_db", "tile_shape", "tiled",
+    "unpack",
 ]
 
-from qjax.core.calibration import (absmax_range, compute_range, grouped_view, grouped_view_shape,
-                                   max_abs_error, minmax_range, mse, mse_range, percentile_range,
-                                   sqnr_db)
+from qjax.core.calibration import (absmax_range, compute_range, max_abs_error, minmax_range, mse,
+                                   mse_range, percentile_range, sqnr_db)
 from qjax.core.fake_quant import fake_quant, fake_quant_view, round_ste
 from qjax.core.formats import QFormat, fp8_format, int_format
-from qjax.core.packing import pack, packed_length, unpack
-from qjax.core.qarray import (QArray, dequantize, estimate_nbytes, nbytes, quantize,
-                              scale_and_zero_point)
-from qjax.core.qdot import choose_path, qdot, qeinsum
 from qjax.core.learned import (conversion_range, init_learned, learned_fake_quant,
                                learned_qparams, learned_range, pact_clip, range_for)
+from qjax.core.numerics import (broadcast_scale, check_finite, fake_round, first_of_tiles,
+                                scale_and_zero_point, scale_shape, tile_shape, tiled)
+from qjax.core.packing import pack, packed_length, unpack
+from qjax.core.qarray import (LAYOUT_VERSION, QArray, QType, dequantize, estimate_nbytes,
+                              from_codes, nbytes, quantize)
+from qjax.core.qdot import choose_path, qdot, qeinsum

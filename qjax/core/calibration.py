@@ -1,55 +1,19 @@
 """Range calibration and error metrics, as pure functions.
 
-Every range function works on the *grouped view* of a tensor (`grouped_view`): the group
-axis split into (num_groups, group_size), so that reducing over every axis that is neither a
-channel axis nor the group index gives one range per scale. Ranges come back with keepdims,
-ready to broadcast against the grouped view.
+`compute_range(x, fmt)` returns (lo, hi) in the scale layout (`numerics.scale_shape`: the
+data's rank, one value per tile). The range functions below work on the tiled view
+(`numerics.tiled`) and reduce its within-tile axes with keepdims.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from qjax.core.formats import QFormat, normalize_axis
-
-
-def grouped_view_shape(shape: Sequence[int], fmt: QFormat) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """Shape of the grouped view and the axes (in it) that scales reduce over.
-
-  Args:
-    shape: the tensor's shape.
-    fmt: the format whose granularity to apply.
-
-  Returns:
-    (view_shape, reduce_axes).
-  """
-  ndim = len(shape)
-  channel = sorted({normalize_axis(a, ndim, f'QFormat.channel_axes={fmt.channel_axes}')
-                    for a in fmt.channel_axes})
-  if fmt.group_size is None:
-    return tuple(shape), tuple(a for a in range(ndim) if a not in channel)
-  ga = normalize_axis(fmt.group_axis, ndim, f'QFormat.group_axis={fmt.group_axis}')
-  if ga in channel:
-    raise ValueError(f'QFormat: axis {ga} is both the group axis and a channel axis; a scale '
-                     'per element is not a quantization. Drop it from channel_axes.')
-  g, n = fmt.group_size, shape[ga]
-  if n % g:
-    divisors = [d for d in (8, 16, 32, 64, 128, 256, 512, 1024) if n % d == 0]
-    raise ValueError(f'QFormat: group_size={g} does not divide axis {ga} of length {n} '
-                     f'(shape {tuple(shape)}); use a divisor of {n} such as {divisors[-3:]} '
-                     'or per-channel scales.')
-  view = tuple(shape[:ga]) + (n // g, g) + tuple(shape[ga + 1:])
-  keep = {a if a < ga else a + 1 for a in channel} | {ga}
-  return view, tuple(a for a in range(ndim + 1) if a not in keep)
-
-
-def grouped_view(x: jax.Array, fmt: QFormat) -> tuple[jax.Array, tuple[int, ...]]:
-  """`x` reshaped to its grouped view, and the axes scales reduce over."""
-  view, axes = grouped_view_shape(x.shape, fmt)
-  return x.reshape(view), axes
+from qjax.core import numerics
+from qjax.core.formats import QFormat
 
 
 def absmax_range(xv: jax.Array, axes) -> tuple[jax.Array, jax.Array]:
@@ -94,13 +58,13 @@ def mse_range(xv: jax.Array, axes, fmt: QFormat, num_ratios: int = 20,
   with the lowest mean squared reconstruction error (ratio 1 is always a candidate, so the
   result is never worse than absmax/minmax).
   """
-  from qjax.core.qarray import scale_and_zero_point, fake_round  # pylint: disable=g-import-not-at-top
   lo0, hi0 = absmax_range(xv, axes) if fmt.symmetric else minmax_range(xv, axes)
   best_err = best_lo = best_hi = None
   for r in jnp.linspace(min_ratio, 1.0, num_ratios):
     lo, hi = lo0 * r, hi0 * r
-    scale, zp = scale_and_zero_point(lo, hi, fmt)
-    err = jnp.mean((fake_round(xv, scale, zp, fmt) - xv) ** 2, axis=axes, keepdims=True)
+    scale, zp = numerics.scale_and_zero_point(lo, hi, fmt)
+    codes = numerics.to_codes(xv, scale, zp, fmt)
+    err = jnp.mean((numerics.from_codes(codes, scale, zp) - xv) ** 2, axis=axes, keepdims=True)
     if best_err is None:
       best_err, best_lo, best_hi = err, lo, hi
     else:
@@ -113,17 +77,27 @@ def mse_range(xv: jax.Array, axes, fmt: QFormat, num_ratios: int = 20,
 
 def compute_range(x: jax.Array, fmt: QFormat,
                   method: Optional[str] = None) -> tuple[jax.Array, jax.Array]:
-  """Per-scale (lo, hi) of `x` in its grouped view, by `method` (default `fmt.calibration`)."""
+  """Per-scale (lo, hi) of `x`, shaped `scale_shape(x.shape, fmt)`, by `method`.
+
+  Args:
+    x: the tensor.
+    fmt: its format (granularity and, by default, the calibration method).
+    method: None (`fmt.calibration`), 'absmax' / 'minmax', 'percentile' or 'mse'.
+  """
   method = method or fmt.calibration
-  xv, axes = grouped_view(x.astype(jnp.float32), fmt)
+  sshape = numerics.scale_shape(x.shape, fmt)
+  xv = numerics.tiled(jnp.asarray(x, jnp.float32), sshape)
+  axes = numerics.tile_axes(x.ndim)
   if method in ('absmax', 'minmax'):  # the full range: |x| for symmetric, [min, max] otherwise
-    return absmax_range(xv, axes) if fmt.symmetric else minmax_range(xv, axes)
-  if method == 'percentile':
-    return percentile_range(xv, axes, fmt.calibration_arg, fmt.symmetric)
-  if method == 'mse':
-    return mse_range(xv, axes, fmt, int(fmt.calibration_arg or 20))
-  raise ValueError(f'compute_range: unknown method {method!r}; use absmax, minmax, '
-                   'percentile or mse.')
+    lo, hi = absmax_range(xv, axes) if fmt.symmetric else minmax_range(xv, axes)
+  elif method == 'percentile':
+    lo, hi = percentile_range(xv, axes, fmt.calibration_arg, fmt.symmetric)
+  elif method == 'mse':
+    lo, hi = mse_range(xv, axes, fmt, int(fmt.calibration_arg or 20))
+  else:
+    raise ValueError(f'compute_range: unknown method {method!r}; use absmax, minmax, '
+                     'percentile or mse.')
+  return lo.reshape(sshape), hi.reshape(sshape)
 
 
 # ---- error metrics ------------------------------------------------------------------------

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from qjax.core import calibration as calib
+from qjax.core import numerics
 from qjax.core.formats import FLOAT_KINDS, QFormat
-from qjax.core.qarray import RangeArg, _negative_axes, scale_and_zero_point
+from qjax.core.qarray import RangeArg
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -37,7 +38,8 @@ def _round_ste_jvp(fmt, primals, tangents):
 
 
 def fake_quant_view(xv, scale, zero_point, fmt: QFormat) -> jax.Array:
-  """STE quantize-dequantize in the grouped view with given scale and zero point."""
+  """STE quantize-dequantize of `xv` with scales (and zero points) that broadcast against it
+  (e.g. the tiled view `numerics.tiled` with `numerics.expand`ed scales)."""
   s = scale.astype(jnp.float32)
   z = 0.0 if zero_point is None else zero_point.astype(jnp.float32)
   v = xv / s + z
@@ -58,22 +60,28 @@ def fake_quant(x: jax.Array, fmt: QFormat, calibration: RangeArg = None,
     x: float tensor.
     fmt: the format (granularity as for `quantize`).
     calibration: as for `quantize` (ignored when `scale` is given).
-    scale: optional scale in the grouped view (e.g. a learned LSQ parameter); when None it is
-      computed from `x` and treated as a constant (stop_gradient).
+    scale: optional scales in the scale layout (`compute_range`'s shape; e.g. a learned LSQ
+      parameter); when None they are computed from `x` and treated as constants
+      (stop_gradient).
     zero_point: optional zero point (asymmetric formats), as `scale`.
 
   Returns:
     Array of x's shape and dtype, equal to `dequantize(quantize(x, fmt))` when the scale is
     the calibrated one.
   """
-  fmt = _negative_axes(fmt, x.ndim)
-  xv, _ = calib.grouped_view(x.astype(jnp.float32), fmt)
   if scale is None:
     if isinstance(calibration, tuple):
       lo, hi = calibration
     else:
       lo, hi = calib.compute_range(jax.lax.stop_gradient(x), fmt, calibration)
-    scale, zero_point = jax.lax.stop_gradient(scale_and_zero_point(lo, hi, fmt))
+    scale, zero_point = jax.lax.stop_gradient(numerics.scale_and_zero_point(lo, hi, fmt))
   elif fmt.symmetric:
     zero_point = None
-  return fake_quant_view(xv, scale, zero_point, fmt).reshape(x.shape).astype(x.dtype)
+  sshape = numerics.scale_shape(x.shape, fmt)
+  if tuple(scale.shape) != sshape:
+    raise ValueError(f'fake_quant({fmt.name}): scales of shape {tuple(scale.shape)} for a '
+                     f'tensor of shape {tuple(x.shape)}; expected the scale layout {sshape}.')
+  xv = numerics.tiled(x.astype(jnp.float32), sshape)
+  z = None if zero_point is None else numerics.expand(zero_point)
+  y = fake_quant_view(xv, numerics.expand(scale), z, fmt)
+  return y.reshape(x.shape).astype(x.dtype)

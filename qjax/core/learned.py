@@ -8,8 +8,8 @@ model use `learned_qparams` of it: the step size kept positive, the zero point r
 `conversion_range` inverts this: a range from which `quantize` recomputes the learned scales
 bit for bit. `init_learned` goes the other way at the start of QAT.
 
-Scales here are whatever `compute_range` / `QArray.scale` hold for a format (the math is
-elementwise), so these functions do not depend on how scales are laid out.
+Scales here are laid out as `compute_range` / `QArray.scale` hold them (the data's rank, one
+per tile); the math is elementwise.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import numpy as np
 from qjax.core.calibration import compute_range
 from qjax.core.fake_quant import fake_quant, round_ste
 from qjax.core.formats import QFormat
-from qjax.core.qarray import QArray, scale_and_zero_point
+from qjax.core.numerics import scale_and_zero_point, scale_shape
+from qjax.core.qarray import QArray
 
 MIN_SCALE = 1e-12  # a learned step size never reaches 0 (or flips sign)
 _ROUND = QFormat()  # an integer format: `round_ste` rounds to integers under it
@@ -107,11 +108,6 @@ def pact_clip(x: jax.Array, clip) -> jax.Array:
   return jnp.clip(x, -a, a)
 
 
-def scale_shape(w: jax.Array, fmt: QFormat) -> tuple[int, ...]:
-  """The shape of the scales (and zero points) `fmt` gives a tensor like `w` (no compute)."""
-  return tuple(jax.eval_shape(lambda v: compute_range(v, fmt, 'absmax')[0], w).shape)
-
-
 def step_ulps(x: np.ndarray, k: int) -> np.ndarray:
   """`x` moved `k` float32 ulps (up for k > 0, down for k < 0)."""
   for _ in range(abs(k)):
@@ -164,11 +160,11 @@ def init_learned(w: jax.Array, fmt: QFormat, init: Union[None, str, tuple, QArra
     lo, hi = init if isinstance(init, tuple) else compute_range(w, fmt, init)
     scale, zp = scale_and_zero_point(jnp.asarray(lo, jnp.float32), jnp.asarray(hi, jnp.float32),
                                      fmt)
-    want = scale_shape(w, fmt)
+    want = scale_shape(w.shape, fmt)
     if tuple(scale.shape) != want:
       raise ValueError(f'init_learned: the range given for a {fmt.name} weight of shape '
                        f'{tuple(w.shape)} has shape {tuple(scale.shape)}, expected {want} (the '
-                       'grouped view with 1s on reduced axes, as compute_range returns ranges).')
+                       'scale layout: the weight\'s rank, one value per tile, as compute_range returns).')
   scale, zp = raw_for(scale, zp, fmt)
   return scale.astype(jnp.float32), None if zp is None else jnp.asarray(zp, jnp.float32)
 

@@ -2,7 +2,17 @@
 
 `QArray` is the one container every qjax algorithm produces and consumes. Its leaves are
 plain arrays (so it passes through `jax.jit`, `jax.vmap`, `jax.tree` utilities, Orbax and
-`jax.device_put` with a sharding), and its format is static metadata.
+`jax.device_put` with a sharding). Its static metadata is only what the numbers mean: the
+code type (`QType`: int of 2-8 bits, packed at 2/3/4 bits, or fp8), the logical length of the
+packed last axis and the dtype it dequantizes to. How the scales were chosen (calibration
+method, clip search, power-of-two rounding) is the recipe (`QFormat`) that `quantize` reads
+and the conversion record keeps, not part of the array: two QArrays of one code type and shape
+have the same tree structure whatever calibrated them.
+
+Scales and zero points have the data's rank and tile it (`numerics`): `shape[i] %
+scale.shape[i] == 0`. Indexing (`q[rows]`, `q[:, slots]`), `reshape` and `transpose` therefore
+act on the QArray directly, and the logical sharding of data and scales is the same list.
+Layout version 2 (layout 1, before qjax 0.2, stored scales in a rank+1 "grouped view").
 """
 
 from __future__ import annotations
@@ -16,45 +26,89 @@ import jax.numpy as jnp
 import numpy as np
 
 from qjax.core import calibration as calib
+from qjax.core import numerics
 from qjax.core import packing
-from qjax.core.formats import FLOAT_KINDS, QFormat, normalize_axis
+from qjax.core.formats import FLOAT_KINDS, QFormat
+
+LAYOUT_VERSION = 2  # recorded with every saved QArray (conversion records: 'qarray_layout')
+_CODE_DTYPES = {'int8', 'uint8', 'float8_e4m3fn', 'float8_e5m2'}
+
+
+@dataclasses.dataclass(frozen=True)
+class QType:
+  """What a QArray's codes are: 'int' of `bits` (2, 3, 4 packed; 5, 6, 8 one per byte) or fp8.
+
+  Attributes:
+    kind: 'int', 'e4m3' or 'e5m2'.
+    bits: code width (8 for fp8).
+  """
+
+  kind: str = 'int'
+  bits: int = 8
+
+  @classmethod
+  def of(cls, fmt: QFormat) -> 'QType':
+    return cls(fmt.kind, fmt.bits)
+
+  @property
+  def is_float(self) -> bool:
+    return self.kind != 'int'
+
+  @property
+  def packed(self) -> bool:
+    return not self.is_float and self.bits in packing.GROUPS
+
+  @property
+  def code_dtype(self):
+    return FLOAT_KINDS[self.kind] if self.is_float else jnp.int8
+
+  @property
+  def storage_dtype(self):
+    return jnp.uint8 if self.packed else self.code_dtype
+
+  @property
+  def name(self) -> str:
+    return f'fp8{self.kind}' if self.is_float else f'int{self.bits}'
 
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class QArray:
-  """A quantized tensor.
+  """A quantized tensor: `x ~= (codes - zero_point) * scale`, each scale shared by a tile.
 
-  Invariant: `x ~= (codes - zero_point) * broadcast(scale)`, where `codes` is `unpack(data)`
-  reshaped to the grouped view of `fmt` (see `calibration.grouped_view_shape`), `scale` and
-  `zero_point` have that view's shape with 1s on the reduced axes, and `zero_point` is None
-  (read as 0) for symmetric formats.
+  Build one with `quantize` or `from_codes` (both validate); derive one with indexing,
+  `reshape`, `transpose`, `scaled_by` or `with_dtype`. The constructor validates concrete
+  leaves (shapes, dtypes, packing, finite positive scales); pytree unflattening (jit, Orbax,
+  sharding specs as leaves) does not.
 
   Attributes:
     data: stored codes, shape `shape[:-1] + (packed_length(shape[-1]),)`; uint8 when
       bit-packed (2/3/4 bits), int8 for 5/6/8 bits, fp8 for float formats.
-    scale: scales in `fmt.scale_dtype`.
-    zero_point: integer-valued zero points in `fmt.scale_dtype`, or None.
-    fmt: the static format, with axes stored as negative indices so that `jax.vmap` over
-      leading axes keeps their meaning.
-    last_dim: logical length of the last axis (packing pads it).
-    dtype_name: dtype `dequantize` returns by default (the source tensor's dtype).
+    scale: scales, the data's rank, `shape[i] % scale.shape[i] == 0`.
+    zero_point: integer-valued zero points of the scale's shape and dtype, or None (0).
+    qtype: the code type (static).
+    last_dim: logical length of the last axis (packing may pad it; static).
+    dtype_name: dtype `dequantize` returns by default (the source tensor's dtype; static).
   """
 
   data: jax.Array
   scale: jax.Array
   zero_point: Optional[jax.Array]
-  fmt: QFormat
+  qtype: QType
   last_dim: int
   dtype_name: str = 'float32'
 
+  def __post_init__(self):
+    _validate(self)
+
   def tree_flatten(self):
-    return (self.data, self.scale, self.zero_point), (self.fmt, self.last_dim, self.dtype_name)
+    return (self.data, self.scale, self.zero_point), (self.qtype, self.last_dim, self.dtype_name)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls(*children, *aux)
+    return _unchecked(cls, *children, *aux)
 
+  # ---- what it is ------------------------------------------------------------------------
   @property
   def shape(self) -> tuple[int, ...]:
     return tuple(self.data.shape[:-1]) + (self.last_dim,)
@@ -75,86 +129,143 @@ class QArray:
   def nbytes(self) -> int:
     return nbytes(self)
 
+  @property
+  def bits(self) -> int:
+    return self.qtype.bits
+
+  @property
+  def tile_shape(self) -> tuple[int, ...]:
+    """Elements per scale along each axis."""
+    return numerics.tile_shape(self.shape, self.scale.shape)
+
+  @property
+  def layout_name(self) -> str:
+    """The code type and scale tiling in words, e.g. 'int4 tiles(32,1)-asym'."""
+    tiles = ','.join(str(t) for t in self.tile_shape)
+    return f'{self.qtype.name} tiles({tiles}){"" if self.zero_point is None else "-asym"}'
+
   def codes(self) -> jax.Array:
     """Unpacked codes in the tensor's own shape (int8, or fp8)."""
-    if self.fmt.packed:
-      return packing.unpack(self.data, self.fmt.bits, self.last_dim)
+    if self.qtype.packed:
+      return packing.unpack(self.data, self.qtype.bits, self.last_dim)
     return self.data
 
   def dequantize(self, dtype=None) -> jax.Array:
     return dequantize(self, dtype)
 
+  # ---- derived arrays ----------------------------------------------------------------------
+  def with_dtype(self, dtype) -> 'QArray':
+    """The same codes, dequantizing to `dtype` by default."""
+    return dataclasses.replace(self, dtype_name=jnp.dtype(dtype).name)
+
+  def scaled_by(self, factor, *, divide: bool = False) -> 'QArray':
+    """Scales multiplied (or divided, in f32) by `factor`, broadcastable to the scale's shape:
+    the tensor times (or over) it. A factor that varies within a tile raises."""
+    f = jnp.asarray(factor, jnp.float32)
+    if f.ndim > self.ndim or jnp.broadcast_shapes(f.shape, self.scale.shape) != self.scale.shape:
+      raise ValueError(f'QArray.scaled_by: a factor of shape {f.shape} does not broadcast to '
+                       f'the scales {self.scale.shape} of {self.layout_name}; it must be constant '
+                       'on every tile.')
+    s32 = self.scale.astype(jnp.float32)
+    s = (s32 / f if divide else s32 * f).astype(self.scale.dtype)
+    return dataclasses.replace(self, scale=s)
+
+  def rebuild(self, leaves: Sequence[Any], last_dim: Optional[int] = None) -> 'QArray':
+    """This QArray's structure over other leaves (shards, shardings, abstract values), with
+    the static last dim of those leaves if it differs; no validation (like unflattening)."""
+    leaves = list(leaves) + [None] * (3 - len(leaves))
+    return _unchecked(QArray, leaves[0], leaves[1], leaves[2], self.qtype,
+                      self.last_dim if last_dim is None else last_dim, self.dtype_name)
+
+  def __getitem__(self, idx) -> 'QArray':
+    return _getitem(self, idx)
+
+  def reshape(self, *shape) -> 'QArray':
+    """A reshape that keeps every tile whole (merging or splitting axes along tiles)."""
+    shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+    return _reshape(self, tuple(int(d) for d in shape))
+
+  def transpose(self, *axes) -> 'QArray':
+    """Axes permuted; a packed format keeps its last axis last."""
+    axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
+    axes = tuple(range(self.ndim))[::-1] if not axes else tuple(a % self.ndim for a in axes)
+    if sorted(axes) != list(range(self.ndim)):
+      raise ValueError(f'QArray.transpose: {axes} is not a permutation of {self.ndim} axes.')
+    if self.qtype.packed and axes[-1] != self.ndim - 1:
+      raise ValueError(f'QArray.transpose: {self.qtype.name} codes are packed along the last '
+                       f'axis, which {axes} would move; dequantize first or keep it last.')
+    t = lambda a: None if a is None else jnp.transpose(a, axes)
+    return QArray(t(self.data), t(self.scale), t(self.zero_point), self.qtype,
+                  self.shape[axes[-1]] if not self.qtype.packed else self.last_dim,
+                  self.dtype_name)
+
+  @property
+  def T(self) -> 'QArray':  # pylint: disable=invalid-name
+    return self.transpose()
+
   def __repr__(self):
-    return (f'QArray({self.fmt.name}, shape={self.shape}, data={self.data.dtype}'
+    return (f'QArray({self.layout_name}, shape={self.shape}, data={self.data.dtype}'
             f'{list(self.data.shape)}, scale={list(self.scale.shape)}, nbytes={self.nbytes})')
 
 
-def _negative_axes(fmt: QFormat, ndim: int) -> QFormat:
-  ch = tuple(normalize_axis(a, ndim, f'QFormat.channel_axes={fmt.channel_axes}') - ndim
-             for a in fmt.channel_axes)
-  ga = normalize_axis(fmt.group_axis, ndim, f'QFormat.group_axis={fmt.group_axis}') - ndim
-  return fmt.replace(channel_axes=ch, group_axis=ga)
+def _unchecked(cls, data, scale, zero_point, qtype, last_dim, dtype_name):
+  q = object.__new__(cls)
+  for k, v in zip(('data', 'scale', 'zero_point', 'qtype', 'last_dim', 'dtype_name'),
+                  (data, scale, zero_point, qtype, last_dim, dtype_name)):
+    object.__setattr__(q, k, v)
+  return q
 
 
-def _check_finite(x, what):
-  if isinstance(x, jax.core.Tracer):
-    return  # values unknown under tracing; checked eagerly wherever the caller is concrete
-  bad = ~np.isfinite(np.asarray(x, dtype=np.float32))
-  if bad.any():
-    idx = tuple(int(i) for i in np.argwhere(bad)[0])
-    raise ValueError(f'{what}: the tensor holds {int(bad.sum())} NaN/Inf values (first at '
-                     f'index {idx}); quantization would silently corrupt them. Fix the source '
-                     'tensor (or clip it) before quantizing.')
+def _is_array(x) -> bool:
+  return hasattr(x, 'shape') and hasattr(x, 'dtype')
 
 
-def scale_and_zero_point(lo, hi, fmt: QFormat):
-  """Scale (rounded to `fmt.scale_dtype`) and zero point for a per-scale range.
+def _validate(q: QArray) -> None:
+  """The invariant, checked on construction (values only where concrete)."""
+  if not isinstance(q.qtype, QType):
+    raise TypeError(f'QArray: qtype must be a QType, got {q.qtype!r}.')
+  if not all(_is_array(a) for a in (q.data, q.scale)) or (
+      q.zero_point is not None and not _is_array(q.zero_point)):
+    raise TypeError('QArray: data, scale (and zero_point) must be arrays; build QArrays with '
+                    'quantize() or from_codes().')
+  name = f'QArray({q.qtype.name})'
+  want = jnp.dtype(q.qtype.storage_dtype)
+  if jnp.dtype(q.data.dtype) != want:
+    raise ValueError(f'{name}: data has dtype {q.data.dtype}, expected {want}.')
+  if q.data.ndim < 1:
+    raise ValueError(f'{name}: data must have rank >= 1, got a scalar.')
+  stored = packing.packed_length(q.last_dim, q.qtype.bits) if q.qtype.packed else q.last_dim
+  if q.data.shape[-1] != stored:
+    raise ValueError(f'{name}: last axis of logical length {q.last_dim} is stored in {stored} '
+                     f'bytes/codes, but data has {q.data.shape[-1]}.')
+  if not jnp.issubdtype(q.scale.dtype, jnp.floating):
+    raise ValueError(f'{name}: scale dtype {q.scale.dtype} is not floating.')
+  numerics.tile_shape(q.shape, q.scale.shape)  # rank and divisibility
+  if q.zero_point is not None and (q.zero_point.shape != q.scale.shape
+                                   or q.zero_point.dtype != q.scale.dtype):
+    raise ValueError(f'{name}: zero_point {q.zero_point.shape} {q.zero_point.dtype} must match '
+                     f'the scale {q.scale.shape} {q.scale.dtype}.')
+  if q.zero_point is not None and q.qtype.is_float:
+    raise ValueError(f'{name}: fp8 codes have no zero point.')
+  if numerics.is_concrete(q.scale) and isinstance(q.scale, (jax.Array, np.ndarray)):
+    s = np.asarray(q.scale, np.float32)
+    if not (np.isfinite(s).all() and (s > 0).all()):
+      bad = ~(np.isfinite(s) & (s > 0))
+      raise ValueError(f'{name}: {int(bad.sum())} scale(s) are not finite and positive '
+                       f'(e.g. {s[bad][:3]}); every scale must be > 0 and finite.')
 
-  An all-zero group (lo == hi == 0) gets scale 1 and zero point 0: its codes are 0 and it
-  dequantizes to exact zeros, never NaN.
+
+def from_codes(codes: jax.Array, scale: jax.Array, zero_point: Optional[jax.Array],
+               qtype: Union[QType, QFormat], dtype=jnp.float32) -> QArray:
+  """A QArray from unpacked codes (int8 or fp8, the tensor's shape) and tiling scales.
+
+  Packs sub-byte codes and validates the invariant. For algorithms that choose codes
+  themselves (GPTQ's error feedback, a relayout of another QArray).
   """
-  sdt = jnp.dtype(fmt.scale_dtype)
-  if fmt.symmetric:
-    amax = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
-    # Multiply by a host-side reciprocal: XLA may rewrite `/ const` that way under jit, and
-    # eager and jitted scales must agree bit for bit (QAT == converted model).
-    scale = jnp.where(amax > 0, amax * (1.0 / fmt.qmax), 1.0)
-    zp = None
-  else:
-    lo, hi = jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0)  # keep 0 exactly representable
-    span = hi - lo
-    scale = jnp.where(span > 0, span * (1.0 / (fmt.qmax - fmt.qmin)), 1.0)
-  if fmt.pow2_scale:
-    scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
-  # Quantize with the scale as stored, so dequantize sees exactly what quantize used.
-  scale = scale.astype(sdt)
-  if not fmt.symmetric:
-    zp = jnp.clip(jnp.round(fmt.qmin - lo / scale.astype(jnp.float32)), fmt.qmin, fmt.qmax)
-    zp = zp.astype(sdt)
-  return scale, zp
-
-
-def _to_codes(xv, scale, zp, fmt: QFormat):
-  s = scale.astype(jnp.float32)
-  if fmt.is_float:
-    y = jnp.clip(xv / s, -fmt.qmax, fmt.qmax)  # fp8 e4m3fn has no inf: saturate, don't NaN
-    return y.astype(FLOAT_KINDS[fmt.kind])
-  q = jnp.round(xv / s)
-  if zp is not None:
-    q = q + zp.astype(jnp.float32)
-  return jnp.clip(q, fmt.qmin, fmt.qmax).astype(jnp.int8)
-
-
-def _from_codes(c, scale, zp, dtype=jnp.float32):
-  v = c.astype(jnp.float32)
-  if zp is not None:
-    v = v - zp.astype(jnp.float32)
-  return (v * scale.astype(jnp.float32)).astype(dtype)
-
-
-def fake_round(xv, scale, zp, fmt: QFormat):
-  """Quantize-dequantize in the grouped view (no straight-through gradient; see fake_quant)."""
-  return _from_codes(_to_codes(xv, scale, zp, fmt), scale, zp)
+  qtype = QType.of(qtype) if isinstance(qtype, QFormat) else qtype
+  codes = codes.astype(qtype.code_dtype)
+  data = packing.pack(codes, qtype.bits) if qtype.packed else codes
+  return QArray(data, scale, zero_point, qtype, codes.shape[-1], jnp.dtype(dtype).name)
 
 
 RangeArg = Union[None, str, tuple[Any, Any]]
@@ -167,7 +278,7 @@ def quantize(x: jax.Array, fmt: QFormat, calibration: RangeArg = None) -> QArray
     x: a floating tensor (NaN/Inf rejected when concrete).
     fmt: the format; its axes may be negative or positive.
     calibration: None (use `fmt.calibration`), a method name, or a precomputed (lo, hi) in the
-      grouped view (e.g. from `compute_range` over calibration data).
+      scale layout (e.g. from `compute_range` over calibration data).
 
   Returns:
     A QArray with `dequantize(q) ~= x`.
@@ -177,24 +288,28 @@ def quantize(x: jax.Array, fmt: QFormat, calibration: RangeArg = None) -> QArray
                      '.astype(jnp.float32) first.')
   if x.ndim == 0:
     raise ValueError('quantize: got a scalar; quantize tensors of rank >= 1.')
-  _check_finite(x, f'quantize({fmt.name}, shape={x.shape})')
-  fmt = _negative_axes(fmt, x.ndim)
-  xv, _ = calib.grouped_view(x.astype(jnp.float32), fmt)
+  numerics.check_finite(x, f'quantize({fmt.name}, shape={x.shape})')
+  sshape = numerics.scale_shape(x.shape, fmt)
   if isinstance(calibration, tuple):
     lo, hi = calibration
+    if tuple(np.shape(lo)) != sshape or tuple(np.shape(hi)) != sshape:
+      raise ValueError(f'quantize({fmt.name}): a range for shape {tuple(x.shape)} must have the '
+                       f'scale shape {sshape}, got {np.shape(lo)} and {np.shape(hi)} (use '
+                       'compute_range, which returns ranges in that layout).')
   else:
     lo, hi = calib.compute_range(x, fmt, calibration)
-  scale, zp = scale_and_zero_point(lo, hi, fmt)
-  codes = _to_codes(xv, scale, zp, fmt).reshape(x.shape)
-  data = packing.pack(codes, fmt.bits) if fmt.packed else codes
-  return QArray(data, scale, zp, fmt, x.shape[-1], jnp.dtype(x.dtype).name)
+  scale, zp = numerics.scale_and_zero_point(lo, hi, fmt)
+  xv = numerics.tiled(x.astype(jnp.float32), sshape)
+  z = None if zp is None else numerics.expand(zp)
+  codes = numerics.to_codes(xv, numerics.expand(scale), z, fmt).reshape(x.shape)
+  return from_codes(codes, scale, zp, QType.of(fmt), x.dtype)
 
 
 def dequantize(q: QArray, dtype=None) -> jax.Array:
   """Reconstruct `(codes - zero_point) * scale` in `dtype` (default: the source dtype)."""
-  view, _ = calib.grouped_view_shape(q.shape, q.fmt)
-  c = q.codes().reshape(view)
-  return _from_codes(c, q.scale, q.zero_point, dtype or q.dtype).reshape(q.shape)
+  c = numerics.tiled(q.codes(), q.scale.shape)
+  z = None if q.zero_point is None else numerics.expand(q.zero_point)
+  return numerics.from_codes(c, numerics.expand(q.scale), z, dtype or q.dtype).reshape(q.shape)
 
 
 def nbytes(q: QArray) -> int:
@@ -210,8 +325,142 @@ def estimate_nbytes(shape: Sequence[int], fmt: QFormat) -> dict:
     dict with 'codes' (P * bits / 8, unpadded), 'metadata' (scales + zero points), 'total'.
   """
   p = math.prod(shape)
-  view, axes = calib.grouped_view_shape(tuple(shape), fmt)
-  n_scales = math.prod(d for i, d in enumerate(view) if i not in axes)
+  n_scales = math.prod(numerics.scale_shape(tuple(shape), fmt))
   per = jnp.dtype(fmt.scale_dtype).itemsize * (1 if fmt.symmetric else 2)
   codes = p * fmt.bits / 8
   return {'codes': codes, 'metadata': n_scales * per, 'total': codes + n_scales * per}
+
+
+# ---- indexing and reshaping -----------------------------------------------------------------
+def _expand_index(idx, ndim: int) -> list:
+  """`idx` as one entry per data axis (None entries kept in place), Ellipsis expanded."""
+  idx = list(idx) if isinstance(idx, tuple) else [idx]
+  n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+  if sum(i is Ellipsis for i in idx) > 1:
+    raise IndexError('QArray: an index can only have a single ellipsis.')
+  if Ellipsis in idx:
+    k = idx.index(Ellipsis)
+    idx = idx[:k] + [slice(None)] * (ndim - n_real) + idx[k + 1:]
+  else:
+    idx = idx + [slice(None)] * (ndim - n_real)
+  if sum(1 for i in idx if i is not None) != ndim:
+    raise IndexError(f'QArray: too many indices for a {ndim}-d QArray.')
+  return idx
+
+
+def _getitem(q: QArray, idx) -> QArray:
+  """`q[idx]` for ints, slices, integer arrays, None and Ellipsis, tile by tile.
+
+  An integer (array) index on an axis picks each element's scale (`i // tile`); a slice on
+  an axis must start and stop on tile boundaries (or the axis has one scale for all). On a
+  packed last axis only whole byte groups can be sliced.
+  """
+  parts = _expand_index(idx, q.ndim)
+  tiles, last = q.tile_shape, q.ndim - 1
+  d_idx, s_idx, axis, last_dim = [], [], 0, q.last_dim
+  for p in parts:
+    if p is None:
+      if q.qtype.packed and axis > last:
+        raise IndexError('QArray: a new axis after the packed last axis would move it; '
+                         'dequantize first.')
+      d_idx.append(None)
+      s_idx.append(None)
+      continue
+    n, t, k = q.shape[axis], tiles[axis], q.scale.shape[axis]
+    packed_here = q.qtype.packed and axis == last
+    if isinstance(p, slice):
+      start, stop, step = p.indices(n)
+      stop = max(stop, start)
+      if step != 1 and (packed_here or (t != 1 and k != 1)):
+        raise IndexError(f'QArray: a strided slice {p} on axis {axis} needs a scale per '
+                         f'element there, or one for the whole axis (tile {t}).')
+      if k == 1:
+        s_idx.append(slice(None))
+      elif start % t or (stop % t and stop != n):
+        raise IndexError(f'QArray: slice {p} on axis {axis} cuts tiles of {t}; slice on '
+                         f'multiples of {t}.')
+      else:
+        s_idx.append(slice(start // t, -(-stop // t), step))
+      if packed_here:
+        per, nb = packing.GROUPS[q.qtype.bits]
+        if start % per or (stop % per and stop != n):
+          raise IndexError(f'QArray: slice {p} of the packed last axis cuts {q.qtype.name} '
+                           f'byte groups of {per} codes; slice on multiples of {per}.')
+        d_idx.append(slice(start // per * nb, -(-stop // per) * nb))
+        last_dim = stop - start
+      else:
+        d_idx.append(slice(start, stop, step))
+    else:  # an integer or an integer array
+      if packed_here:
+        raise IndexError(f'QArray: cannot gather single codes of the packed {q.qtype.name} last '
+                         'axis; slice whole byte groups, or dequantize first.')
+      a = p if isinstance(p, (int, np.integer)) else jnp.asarray(p)
+      if not isinstance(a, (int, np.integer)) and not jnp.issubdtype(a.dtype, jnp.integer):
+        raise IndexError(f'QArray: index {p!r} on axis {axis} is not an integer (array).')
+      d_idx.append(a)
+      s_idx.append((a % n) // t)
+    axis += 1
+  data = q.data[tuple(d_idx)]
+  if data.ndim == 0:
+    raise IndexError('QArray: indexing down to a scalar; dequantize first.')
+  scale = q.scale[tuple(s_idx)]
+  zp = None if q.zero_point is None else q.zero_point[tuple(s_idx)]
+  return QArray(data, scale, zp, q.qtype, last_dim if q.qtype.packed else data.shape[-1],
+                q.dtype_name)
+
+
+def _reshape(q: QArray, shape: tuple[int, ...]) -> QArray:
+  """Reshape keeping tiles whole: axes are matched in runs of equal size (merged or split)."""
+  if -1 in shape:
+    known = math.prod(d for d in shape if d != -1)
+    shape = tuple(q.size // known if d == -1 else d for d in shape)
+  if math.prod(shape) != q.size or not shape:
+    raise ValueError(f'QArray.reshape: cannot reshape {q.shape} to {shape}.')
+  if q.qtype.packed and shape[-1] != q.shape[-1]:
+    raise ValueError(f'QArray.reshape: {q.qtype.name} codes are packed along the last axis '
+                     f'({q.shape[-1]}); a reshape to {shape} must keep it.')
+  old, tiles = q.shape, q.tile_shape
+  oi = [k for k, d in enumerate(old) if d != 1]  # size-1 axes carry one scale: skip them
+  nj = [k for k, d in enumerate(shape) if d != 1]
+  new_scale = [1] * len(shape)
+  i = j = 0
+  while i < len(oi):
+    i2, j2 = i + 1, j + 1
+    po, pn = old[oi[i]], shape[nj[j]]
+    while po != pn:
+      if po < pn:
+        po, i2 = po * old[oi[i2]], i2 + 1
+      else:
+        pn, j2 = pn * shape[nj[j2]], j2 + 1
+    dims = _retile([old[k] for k in oi[i:i2]], [tiles[k] for k in oi[i:i2]],
+                   [shape[k] for k in nj[j:j2]], q)
+    for k, d in zip(nj[j:j2], dims):
+      new_scale[k] = d
+    i, j = i2, j2
+  r = lambda a: None if a is None else a.reshape(tuple(new_scale))
+  data = q.data.reshape(shape[:-1] + (q.data.shape[-1],)) if q.qtype.packed else (
+      q.data.reshape(shape))
+  return QArray(data, r(q.scale), r(q.zero_point), q.qtype, shape[-1], q.dtype_name)
+
+
+def _retile(old, tiles, new, q) -> list:
+  """Scale dims for new axes `new` that replace old axes `old` (tiled by `tiles`)."""
+  # The run's elements in row-major order: the tiling is "t_flat" contiguous elements per
+  # scale iff axes before some p have tile 1 and axes after p are whole.
+  p = next((k for k, t in enumerate(tiles) if t != 1), len(old))
+  if any(t != d for t, d in zip(tiles[p + 1:], old[p + 1:])):
+    raise ValueError(f'QArray.reshape: {q.layout_name} of shape {q.shape} has tiles that '
+                     f'{tuple(old)} -> {tuple(new)} would cut; dequantize first.')
+  flat = (tiles[p] * math.prod(old[p + 1:])) if p < len(old) else 1
+  out = []
+  for d in reversed(new):  # split `flat` elements per scale over the new axes, last first
+    if flat >= d and flat % d == 0:
+      out.append(1)
+      flat //= d
+    elif d % flat == 0:
+      out.append(d // flat)
+      flat = 1
+    else:
+      raise ValueError(f'QArray.reshape: tiles of {flat} elements do not fit axis {d} in '
+                       f'{tuple(old)} -> {tuple(new)}; dequantize first.')
+  return out[::-1]

@@ -56,6 +56,7 @@ by benchmarks/qdot_bench.py under a noisy load of 3-12):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import string
 from typing import Optional, Union
@@ -65,17 +66,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from qjax.core import packing
-from qjax.core.calibration import grouped_view_shape
-from qjax.core.formats import FLOAT_KINDS, QFormat, normalize_axis
-from qjax.core.qarray import QArray, dequantize
+from qjax.core.formats import FLOAT_KINDS, QFormat
+from qjax.core.qarray import QArray, QType, dequantize
 
 PATHS = ('auto', 'dequant', 'tiled', 'int8', 'fp8')
 INT8_ACT = QFormat(bits=8)
 
 
-def choose_path(w_fmt: QFormat, act_fmt: Optional[QFormat] = None,
+def choose_path(w_fmt: Union[QFormat, QType], act_fmt: Optional[QFormat] = None,
                 backend: Optional[str] = None) -> str:
-  """The compute path `path='auto'` takes for this weight format, activation format, backend."""
+  """The compute path `path='auto'` takes for this weight format (or code type, `q.qtype`),
+  activation format and backend."""
   backend = backend or jax.default_backend()
   if act_fmt is not None:
     if w_fmt.is_float != act_fmt.is_float:
@@ -143,9 +144,9 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
   if len(ws) != w.ndim or len(xs) != x.ndim:
     raise ValueError(f'qeinsum: spec {spec!r} has operands of rank {len(xs)} and {len(ws)} but '
                      f'got x{tuple(x.shape)} and w{w.shape}.')
-  fmt = w.fmt
+  qt = w.qtype
   if path == 'auto':
-    path = choose_path(fmt, act_fmt)
+    path = choose_path(qt, act_fmt)
   if path == 'tiled':
     y = _tiled_einsum(xs, ws, out, x, w, None, out_dtype)
     if y is not None:
@@ -153,11 +154,11 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
     path = 'dequant'  # a spec the tiled form cannot express
   if path == 'dequant':
     return jnp.einsum(spec, x, dequantize(w, x.dtype)).astype(out_dtype)
-  if path == 'int8' and fmt.is_float or path == 'fp8' and not fmt.is_float:
-    raise ValueError(f'qeinsum: path={path!r} cannot multiply {fmt.name} weights; use '
-                     f"path='{'fp8' if fmt.is_float else 'int8'}' or 'dequant'.")
+  if path == 'int8' and qt.is_float or path == 'fp8' and not qt.is_float:
+    raise ValueError(f'qeinsum: path={path!r} cannot multiply {qt.name} weights; use '
+                     f"path='{'fp8' if qt.is_float else 'int8'}' or 'dequant'.")
   if jax.default_backend() == 'cpu':
-    y = _tiled_einsum(xs, ws, out, x, w, 'int' if path == 'int8' else fmt.kind, out_dtype)
+    y = _tiled_einsum(xs, ws, out, x, w, 'int' if path == 'int8' else qt.kind, out_dtype)
     if y is not None:
       return y
   return _integer_like_einsum(xs, ws, out, x, w, path, out_dtype)
@@ -165,28 +166,29 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
 
 def _integer_like_einsum(xs, ws, out, x, w: QArray, path, out_dtype):
   """'int8' / 'fp8' as one dot on the whole operands (non-CPU, and specs tiling can't express)."""
-  fmt, x0 = w.fmt, x
   contracted = [c for c in ws if c in xs and c not in out]
-  view_shape, reduced = grouped_view_shape(w.shape, fmt)
-  g = _fresh_letter(xs + ws + out)
-  if fmt.group_size is not None:
-    ga = normalize_axis(fmt.group_axis, w.ndim, 'group_axis')
-    gl = ws[ga]
-    if gl not in contracted:
-      return jnp.einsum(f'{xs},{ws}->{out}', x0, dequantize(w, x0.dtype)).astype(out_dtype)
-    wv = ws[:ga] + g + ws[ga:]
+  tiles, sshape = w.tile_shape, w.scale.shape
+  along_k = [i for i, c in enumerate(ws) if c in contracted and sshape[i] > 1]
+  cut_kept = [i for i, c in enumerate(ws) if c not in contracted and 1 < tiles[i] < w.shape[i]]
+  if len(along_k) > 1 or cut_kept or (along_k and tiles[along_k[0]] == 1):
+    # A scale that varies along a contracted axis other than by groups cannot be applied
+    # after the dot; take the exact dequantize path rather than a wrong answer.
+    return jnp.einsum(f'{xs},{ws}->{out}', x, dequantize(w, x.dtype)).astype(out_dtype)
+  codes, s_letters = w.codes(), ws
+  if along_k:  # groups along one contracted axis: the group index becomes a batch axis
+    ga = along_k[0]
+    gl, ng, gs = ws[ga], sshape[ga], tiles[ga]
+    g = _fresh_letter(xs + ws + out)
+    wv, s_letters = ws[:ga] + g + ws[ga:], ws[:ga] + g + ws[ga + 1:]
+    codes = codes.reshape(w.shape[:ga] + (ng, gs) + w.shape[ga + 1:])
     xi = xs.index(gl)
     xv = xs[:xi] + g + xs[xi:]
-    x = x.reshape(x.shape[:xi] + (w.shape[ga] // fmt.group_size, fmt.group_size)
-                  + x.shape[xi + 1:])
+    x = x.reshape(x.shape[:xi] + (ng, gs) + x.shape[xi + 1:])
     acc_l = out + g
   else:
     wv, xv, acc_l = ws, xs, out
-  kept = ''.join(c for i, c in enumerate(wv) if i not in reduced)
-  if any(c in contracted for c in kept):
-    # A scale that varies along a contracted axis (not by group) cannot be applied after the
-    # dot; take the exact dequantize path rather than a wrong answer.
-    return jnp.einsum(f'{xs},{ws}->{out}', x0, dequantize(w, x0.dtype)).astype(out_dtype)
+  squeeze = tuple(i for i, d in enumerate(sshape) if d == 1)
+  kept = ''.join(c for i, c in enumerate(s_letters) if i not in squeeze)
 
   # Pad batch-1 to two rows on CPU (see module docstring).
   x_only = [i for i, c in enumerate(xv) if c not in wv]
@@ -196,20 +198,19 @@ def _integer_like_einsum(xs, ws, out, x, w: QArray, path, out_dtype):
     x = jnp.concatenate([x, jnp.zeros_like(x)], axis=pad_axis)
 
   x_reduce = tuple(i for i, c in enumerate(xv) if c in contracted)
-  act_kind = 'int' if path == 'int8' else fmt.kind
+  act_kind = 'int' if path == 'int8' else w.qtype.kind
   xq, xscale = _quantize_rows(x.astype(jnp.float32), x_reduce, act_kind)
-  codes = w.codes().reshape(view_shape)
   acc_dtype = jnp.int32 if path == 'int8' else jnp.float32
   acc = jnp.einsum(f'{xv},{wv}->{acc_l}', xq, codes, preferred_element_type=acc_dtype)
   acc = acc.astype(jnp.float32)
 
   xs_l = ''.join(c for c in xv if c not in contracted)
   xscale = jnp.squeeze(xscale, axis=x_reduce)
-  scale = jnp.squeeze(w.scale.astype(jnp.float32), axis=reduced)
+  scale = jnp.squeeze(w.scale.astype(jnp.float32), axis=squeeze)
   if w.zero_point is not None:
     # (c - z) . x  =  c . x  -  z * sum(x) over each group's contracted elements.
     xsum = jnp.sum(xq.astype(jnp.int32), axis=x_reduce).astype(jnp.float32)
-    zp = jnp.squeeze(w.zero_point.astype(jnp.float32), axis=reduced)
+    zp = jnp.squeeze(w.zero_point.astype(jnp.float32), axis=squeeze)
     acc = acc - jnp.einsum(f'{xs_l},{kept}->{acc_l}', xsum, zp)
   y = jnp.einsum(f'{acc_l},{xs_l},{kept}->{out}', acc, xscale, scale)
   if pad_axis is not None:
@@ -217,13 +218,57 @@ def _integer_like_einsum(xs, ws, out, x, w: QArray, path, out_dtype):
   return y.astype(out_dtype)
 
 
-# ---- the tiled CPU path -------------------------------------------------------------------
+# ---- the tiled CPU path: a plan, a per-tile product, an epilogue ------------------------------
 _TILE_ELEMENTS = 2**20  # weight elements per tile: 2 MiB in bf16, 4 MiB in f32 (cache-sized)
 _MIN_TILE_ROWS = 64     # fewer rows per tile cost more in loop overhead than they save
 _EXACT = 2**24          # integers below this add exactly in an f32 accumulator
 
 
-def _canonical(xs, ws, out, fmt: QFormat):
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+  """How `qeinsum` runs as a loop over row tiles: x2 (M, K) @ w2 (K, N), N = kept axes.
+
+  Attributes:
+    a: number of contracted weight axes (they come first in the weight).
+    x_only: activation letters that are neither contracted nor in the weight (rows, M).
+    m_shape: their sizes; m = prod(m_shape).
+    k: contracted elements K.
+    kept_shape: the weight's kept (output) axes; n = prod(kept_shape).
+    unit: K rows per scale row (whole groups); kq = K / unit scale rows, or kq = 1 when the
+      scales are constant along K.
+    kq: scale rows along K.
+    kt: K rows per tile.
+    act_kind: None (weight-only), 'int' or an fp8 kind (activations quantized per token, and
+      per group when scales vary along K).
+    grouped: activation scales per group: one group per tile, scaled inside the loop.
+  """
+
+  a: int
+  x_only: tuple
+  m_shape: tuple
+  k: int
+  kept_shape: tuple
+  unit: int
+  kq: int
+  kt: int
+  act_kind: Optional[str]
+  grouped: bool
+
+  @property
+  def m(self) -> int:
+    return math.prod(self.m_shape)
+
+  @property
+  def n(self) -> int:
+    return math.prod(self.kept_shape)
+
+  @property
+  def fold(self) -> bool:
+    """Scales vary along K: applied to each tile before its dot (else once, after the loop)."""
+    return self.kq > 1
+
+
+def _canonical(xs, ws, out) -> Optional[int]:
   """Whether the spec is x2 (M, K) @ w2 (K, N) with w's axes (contracted..., kept...).
 
   That is: no batch axes, no repeated letters, no axis summed out of one operand alone, and the
@@ -238,27 +283,67 @@ def _canonical(xs, ws, out, fmt: QFormat):
     return None
   if any(c in out for c in contracted) or any(c not in ws and c not in out for c in xs):
     return None
-  if fmt.group_size is not None and normalize_axis(fmt.group_axis, len(ws), '') != a - 1:
-    return None  # groups must run along the last contracted axis: contiguous along K
   return a
 
 
-def _per_tile(arr, view_shape, a, group):
-  """A scale-shaped array as (Kq, kept...): Kq = 1 (constant along K) or K / unit."""
+def plan_tiles(xs, ws, out, x_shape, w: QArray, act_kind) -> Optional[TilePlan]:
+  """The tile plan of `qeinsum` on CPU, or None for a spec / scale layout it cannot express."""
+  a = _canonical(xs, ws, out)
+  if a is None:
+    return None
+  shape, tiles, sshape = w.shape, w.tile_shape, w.scale.shape
+  if any(1 < t < d for t, d in zip(tiles[a:], shape[a:])):
+    return None  # scales cut a kept axis into groups
+  if any(t not in (1, d) for t, d in zip(tiles[:a - 1], shape[:a - 1])):
+    return None  # groups must run along the last contracted axis: contiguous along K
+  k = math.prod(shape[:a])
+  kept_shape = tuple(shape[a:])
+  n = math.prod(kept_shape)
+  if all(d == 1 for d in sshape[:a]):
+    unit, kq = k, 1
+  else:
+    unit = tiles[a - 1]
+    kq = k // unit
+  if unit == 1 and all(d == t for d, t in zip(sshape[a:], kept_shape)):
+    return None  # a scale per element: nothing to tile over
+  grouped = kq > 1 and 1 < tiles[a - 1] < shape[a - 1]
+  if act_kind is not None and kq > 1 and not grouped:
+    return None  # a scale along K (not by group) cannot follow a quantized-activation dot
+  x_only = tuple(c for c in xs if c not in ws)
+  m_shape = tuple(x_shape[xs.index(c)] for c in x_only)
+  # Tile rows: ~_TILE_ELEMENTS per tile in whole groups; one group per tile when activation
+  # scales are per group; few enough rows that integer partial sums are exact in f32.
+  if act_kind is not None and grouped:
+    kt = unit
+  else:
+    # At most ~1/8 of the weight per tile, so no tile is a float copy of the whole weight.
+    rows = max(_MIN_TILE_ROWS, min(_TILE_ELEMENTS // n, k // 8))
+    step = unit if kq > 1 else 1
+    kt = min(k, step * max(1, rows // step))
+  if act_kind == 'int':
+    step = unit if kq > 1 else 1
+    bound = _EXACT // (127 * 2**(w.qtype.bits - 1)) // step * step
+    if kt > bound:
+      if bound < step:
+        return None
+      kt = bound
+  return TilePlan(a, x_only, m_shape, k, kept_shape, unit, kq, kt, act_kind, grouped)
+
+
+def _per_k(arr, w: QArray, plan: TilePlan):
+  """A scale-shaped array as (kq, kept scale dims...) in f32."""
   if arr is None:
     return None
   v = arr.astype(jnp.float32)
-  if group:
-    v = jnp.squeeze(v, axis=a)  # the within-group axis (size 1 in every scale)
-  lead = v.shape[:a]
-  if all(d == 1 for d in lead):
+  a = plan.a
+  if plan.kq == 1:
     return v.reshape((1,) + v.shape[a:])
-  v = jnp.broadcast_to(v, tuple(view_shape[:a]) + v.shape[a:])
+  v = jnp.broadcast_to(v, tuple(w.shape[:a - 1]) + v.shape[a - 1:])
   return v.reshape((-1,) + v.shape[a:])
 
 
 def _fields(arr, per, nf, kept_shape):
-  """(Kq, kept...) -> `per` arrays (Kq, Nf) matching the packed fields of the last axis."""
+  """(kq, kept...) -> `per` arrays (kq, Nf) matching the packed fields of the last axis."""
   if arr is None:
     return [None] * per
   kq = arr.shape[0]
@@ -273,51 +358,21 @@ def _fields(arr, per, nf, kept_shape):
 
 def _tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
   """`qeinsum` on CPU as a loop over row tiles of the weight (module docstring)."""
-  fmt = w.fmt
-  a = _canonical(xs, ws, out, fmt)
-  if a is None:
+  plan = plan_tiles(xs, ws, out, x.shape, w, act_kind)
+  if plan is None:
     return None
-  group = fmt.group_size is not None
-  view_shape, _ = grouped_view_shape(w.shape, fmt)
-  scale = _per_tile(w.scale, view_shape, a, group)
-  zp = _per_tile(w.zero_point, view_shape, a, group)
-  k = math.prod(w.shape[:a])
-  kept_shape = w.shape[a:]
-  n = math.prod(kept_shape)
-  unit = fmt.group_size if group else 1
-  kq = scale.shape[0]
-  if kq > 1 and kq == k and scale[0].size == n:
-    return None  # a scale per element: nothing to tile over
-  if act_kind is not None and kq > 1 and not group:
-    return None  # a scale along K (not by group) cannot follow a quantized-activation dot
+  a, k, m, unit, kt = plan.a, plan.k, plan.m, plan.unit, plan.kt
+  kept_shape, n = plan.kept_shape, plan.n
 
   # x -> (M, K) with the contracted axes in the weight's order.
-  x_only = [c for c in xs if c not in ws]
-  x2 = jnp.transpose(x, [xs.index(c) for c in x_only + list(ws[:a])])
-  m_shape = x2.shape[:len(x_only)]
-  m = math.prod(m_shape)
+  x2 = jnp.transpose(x, [xs.index(c) for c in plan.x_only + tuple(ws[:a])])
   x2 = x2.reshape(m, k).astype(jnp.float32)
   # M = 1 takes XLA's own matrix-vector loop (f32); M >= 2 the fused bf16 kernel (bf16 x bf16 with
   # f32 accumulation needs no weight copy there; at M = 1 bf16 tiles measured slower than f32).
   cdt = jnp.float32 if m == 1 else jnp.bfloat16
-
-  # Tile rows: ~_TILE_ELEMENTS per tile in whole groups; one group per tile when activation
-  # scales are per group; few enough rows that integer partial sums are exact in f32.
-  if act_kind is not None and group:
-    kt = unit
-  else:
-    # At most ~1/8 of the weight per tile, so no tile is a float copy of the whole weight.
-    rows = max(_MIN_TILE_ROWS, min(_TILE_ELEMENTS // n, k // 8))
-    kt = min(k, unit * max(1, rows // unit))
-  if act_kind == 'int':
-    bound = _EXACT // (127 * 2**(fmt.bits - 1)) // unit * unit
-    if kt > bound:
-      if bound < unit:
-        return None
-      kt = bound
-
+  xq = xscale = None
   if act_kind is not None:
-    xr = x2.reshape(m, k // unit, unit) if group else x2.reshape(m, 1, k)
+    xr = x2.reshape(m, k // unit, unit) if plan.grouped else x2.reshape(m, 1, k)
     xq, xscale = _quantize_rows(xr, (2,), act_kind)
     xq = xq.reshape(m, k)
     xscale = xscale.reshape(m, -1)  # (M, K/unit) or (M, 1)
@@ -326,31 +381,29 @@ def _tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
     xin = x2.astype(cdt)
 
   lead = n // kept_shape[-1]
-  if fmt.packed:
-    per = packing.GROUPS[fmt.bits][0]
+  qt = w.qtype
+  if qt.packed:
+    per = packing.GROUPS[qt.bits][0]
     data2 = w.data.reshape(k, -1)
-    nf = packing.packed_length(kept_shape[-1], fmt.bits) // packing.GROUPS[fmt.bits][1]
+    nf = packing.packed_length(kept_shape[-1], qt.bits) // packing.GROUPS[qt.bits][1]
     def fields(rows):
       p = rows.reshape(rows.shape[0], lead, -1)
-      return [f.reshape(rows.shape[0], -1) for f in packing.unpack_fields(p, fmt.bits)]
+      return [f.reshape(rows.shape[0], -1) for f in packing.unpack_fields(p, qt.bits)]
   else:
     per, nf = 1, kept_shape[-1]
     data2 = w.data.reshape(k, n)
     def fields(rows):
       return [rows]
-  s_f, z_f = _fields(scale, per, nf, kept_shape), _fields(zp, per, nf, kept_shape)
-  nf_total = lead * nf
-  if act_kind is not None and group and kq == 1:
-    return None  # one group spans all of K: the whole-operand path handles it exactly
-  fold = kq > 1  # scales vary along K: apply them to the tile before the dot
+  s_f = _fields(_per_k(w.scale, w, plan), per, nf, kept_shape)
+  z_f = _fields(_per_k(w.zero_point, w, plan), per, nf, kept_shape)
 
-  def contrib(start, rows):
-    """Per-field (M, Nf) f32 partial products of the tile at row `start`."""
+  def tile_product(start, rows):
+    """Per-field (M, Nf) f32 partial products of the tile of weight rows at `start`."""
     size = rows.shape[0]
     xt = lax.dynamic_slice_in_dim(xin, start, size, 1)
     parts = []
     for c, s, z in zip(fields(rows), s_f, z_f):
-      if fold:
+      if plan.fold:
         gi = start // unit
         s_t = lax.dynamic_slice_in_dim(s, gi, size // unit, 0)[:, None]
         cv = c.reshape(size // unit, unit, -1).astype(jnp.float32)
@@ -360,7 +413,7 @@ def _tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
           cv = cv * s_t
         c = cv.reshape(size, -1)
       p = jnp.dot(xt, c.astype(cdt), preferred_element_type=jnp.float32)
-      if act_kind is not None and group:  # one group per tile: scale it now
+      if act_kind is not None and plan.grouped:  # one group per tile: scale it now
         xs_t = lax.dynamic_slice_in_dim(xscale, start // unit, 1, 1)
         p = p * xs_t * s_t[0]
       elif act_kind == 'int':
@@ -368,32 +421,34 @@ def _tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
       parts.append(p)
     return jnp.stack(parts)
 
-  acc_dtype = jnp.int32 if act_kind == 'int' and not group else jnp.float32
-  acc = jnp.zeros((per, m, nf_total), acc_dtype)
+  acc_dtype = jnp.int32 if act_kind == 'int' and not plan.grouped else jnp.float32
+  acc = jnp.zeros((per, m, lead * nf), acc_dtype)
   n_full = k // kt
   if n_full:
     acc = lax.fori_loop(
         0, n_full,
-        lambda i, acc: acc + contrib(i * kt, lax.dynamic_slice_in_dim(data2, i * kt, kt, 0)),
+        lambda i, acc: acc + tile_product(i * kt,
+                                          lax.dynamic_slice_in_dim(data2, i * kt, kt, 0)),
         acc)
   if n_full * kt < k:
-    acc = acc + contrib(n_full * kt, data2[n_full * kt:])
-  acc = acc.astype(jnp.float32)
+    acc = acc + tile_product(n_full * kt, data2[n_full * kt:])
+  y = _tile_epilogue(acc.astype(jnp.float32), plan, s_f, z_f, xin, xq, xscale, lead, nf, per)
+  y_letters = ''.join(plan.x_only) + ws[a:]
+  return jnp.transpose(y, [y_letters.index(c) for c in out]).astype(out_dtype)
 
-  if not fold:  # scales (and zero points) constant along K: apply them once, at the end
+
+def _tile_epilogue(acc, plan: TilePlan, s_f, z_f, xin, xq, xscale, lead, nf, per):
+  """Scales constant along K applied once, and (per, M, lead * nf) -> (M, kept...)."""
+  if not plan.fold:
     if z_f[0] is not None:  # (c - z) . x  =  c . x  -  z * sum(x)
-      xsum = jnp.sum(xq.astype(jnp.int32) if act_kind == 'int' else xin, axis=1)
+      xsum = jnp.sum(xq.astype(jnp.int32) if plan.act_kind == 'int' else xin, axis=1)
       z = jnp.stack([z[0] for z in z_f])[:, None]
       acc = acc - xsum.astype(jnp.float32)[None, :, None] * z
-    if act_kind is not None:
+    if plan.act_kind is not None:
       acc = acc * xscale[None]
     acc = acc * jnp.stack([s[0] for s in s_f])[:, None]
-
-  # (per, M, lead * nf) -> (M, kept...) -> out order.
-  y = acc.reshape(per, m, lead, nf).transpose(1, 2, 3, 0).reshape(m, lead, nf * per)
-  y = y[..., :kept_shape[-1]].reshape(m_shape + tuple(kept_shape))
-  y_letters = ''.join(x_only) + ws[a:]
-  return jnp.transpose(y, [y_letters.index(c) for c in out]).astype(out_dtype)
+  y = acc.reshape(per, plan.m, lead, nf).transpose(1, 2, 3, 0).reshape(plan.m, lead, nf * per)
+  return y[..., :plan.kept_shape[-1]].reshape(plan.m_shape + plan.kept_shape)
 
 
 def qdot(x: jax.Array, w: Union[jax.Array, QArray], **kw) -> jax.Array:

@@ -59,11 +59,14 @@ class KVCache:
     v: per layer, values v_BSKH.
     length: int32 of shape (B,): positions written so far to each row (row b's next write
       goes to slot length[b]).
+    qformat: the QFormat quantized storage is written in (static; axes non-negative, as
+      `check_format` returns them), or None for a float cache.
   """
 
   k: tuple[Union[jax.Array, QArray], ...]
   v: tuple[Union[jax.Array, QArray], ...]
   length: jax.Array
+  qformat: Optional[QFormat] = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
   def max_len(self) -> int:
@@ -78,18 +81,11 @@ class KVCache:
     return len(self.k)
 
   @property
-  def qformat(self) -> Optional[QFormat]:
-    """The QFormat of quantized storage, or None for a float cache."""
-    return self.k[0].fmt if isinstance(self.k[0], QArray) else None
-
-  @property
   def format(self) -> str:
     """Storage format for records: a dtype name ('float32') or a QFormat name ('int8-ch012')."""
-    fmt = self.qformat  # QArray keeps axes negative; name them as init_cache took them
-    if fmt is None:
+    if self.qformat is None:
       return jnp.dtype(self.k[0].dtype).name
-    return fmt.replace(channel_axes=tuple(a % 4 for a in fmt.channel_axes),
-                       group_axis=fmt.group_axis % 4).name
+    return self.qformat.name
 
 
 def init_cache(config: TransformerConfig, batch: int, max_len: Optional[int] = None,
@@ -121,7 +117,7 @@ def init_cache(config: TransformerConfig, batch: int, max_len: Optional[int] = N
     if fmt is not None:  # all-zero groups quantize to codes 0, scale 1
       return tuple(quantize(jnp.zeros(shape, dtype), fmt) for _ in range(config.num_layers))
     return tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-  return KVCache(k=zeros(), v=zeros(), length=jnp.zeros((batch,), jnp.int32))
+  return KVCache(k=zeros(), v=zeros(), length=jnp.zeros((batch,), jnp.int32), qformat=fmt)
 
 
 def check_fits(cache: KVCache, num_new: int) -> None:
@@ -215,8 +211,8 @@ def write(cache: KVCache, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array,
 
   def put(arrs, new):
     old = arrs[layer]
-    if isinstance(old, QArray):  # quantize on write; every leaf has B on axis 0, S on axis 1
-      new = quantize(new.astype(old.dtype), old.fmt)
+    if isinstance(old, QArray):  # quantize on write; scales are per token: B, S tile by 1
+      new = quantize(new.astype(old.dtype), cache.qformat)
       upd = jax.tree.map(lambda o, n: put_row(o, n, start_B), old, new)
     else:
       upd = put_row(old, new, start_B)

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qjax.core import QArray, choose_path, dequantize, fake_quant, qeinsum
-from qjax.core.learned import learned_fake_quant, pact_clip, scale_shape
+from qjax.core import scale_shape
+from qjax.core.learned import learned_fake_quant, pact_clip
 from qjax.core.qdot import INT8_ACT
 from qjax.core.qdot import parse_spec as _core_parse_spec
 from qjax.nn import shard_hooks
@@ -67,8 +68,9 @@ class QWeight(nnx.Variable):
 
   Not an `nnx.Param`, so optimizers built with `wrt=nnx.Param` leave it alone. The logical
   axes of the float weight it replaces are kept as `logical_axes` metadata (not
-  `out_sharding`: codes and scales have other ranks than the weight, so a layout must map
-  them explicitly).
+  `out_sharding`: a layout maps the QArray's leaves itself), and the recipe it was quantized
+  with (the `QFormat`, calibration included) as `qformat` metadata: the QArray itself only
+  knows its code type and scale tiling.
   """
 
 
@@ -157,7 +159,7 @@ class Einsum(nnx.Module):
 
   def _variable_shape(self, name: str, quant: EinsumQuant) -> tuple[int, ...]:
     if name in ('qat_scale', 'qat_zero_point'):
-      return scale_shape(self.w.get_value(), quant.fake_fmt)
+      return scale_shape(self.w.get_value().shape, quant.fake_fmt)
     return {'act_clip': (), 'in_scale': self.contracted_shape,
             'w_outlier': self.weight_shape}[name]
 
@@ -168,15 +170,15 @@ class Einsum(nnx.Module):
     if isinstance(w, QArray):
       training = [n for n in ('fake_fmt', 'fake_act_fmt') if getattr(quant, n) is not None]
       if training:
-        raise ValueError(f'set_quant: {what} holds a quantized weight ({w.fmt.name}), but the '
+        raise ValueError(f'set_quant: {what} holds a quantized weight ({w.layout_name}), but the '
                          f'description sets {training}, which fake-quantize a float weight '
                          '(QAT); drop them, or give the layer a float weight first.')
-      if quant.outlier_threshold is not None and (w.fmt.is_float or w.fmt.bits != 8):
+      if quant.outlier_threshold is not None and (w.qtype.is_float or w.bits != 8):
         raise ValueError(f'set_quant: {what}: LLM.int8() (outlier_threshold='
-                         f'{quant.outlier_threshold}) needs int8 weights, not {w.fmt.name}.')
+                         f'{quant.outlier_threshold}) needs int8 weights, not {w.layout_name}.')
       try:
         if quant.path == 'auto':
-          choose_path(w.fmt, quant.act_fmt)
+          choose_path(w.qtype, quant.act_fmt)
       except ValueError as e:
         raise ValueError(f'set_quant: {what}: {e}') from None
       return
@@ -326,18 +328,7 @@ class Embed(Einsum):
     if not isinstance(table, QArray):
       table = self.fake_weight(table)
       return table[tokens_BT].astype(dtype)
-    return dequantize(_gather_rows(table, tokens_BT.reshape(-1)), dtype).reshape(
-        tokens_BT.shape + (table.shape[-1],))
-
-
-def _gather_rows(q: QArray, rows_M: jax.Array) -> QArray:
-  """Rows of a 2-d QArray as an (M, D) QArray; scales shared across rows are not gathered."""
-  def take(a):
-    if a is None or a.shape[0] == 1:  # per-tensor scale: one for every row
-      return a
-    return a[rows_M]
-  return QArray(q.data[rows_M], take(q.scale), take(q.zero_point), q.fmt, q.last_dim,
-                q.dtype_name)
+    return dequantize(table[tokens_BT], dtype)
 
 
 class RMSNorm(nnx.Module):

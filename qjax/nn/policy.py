@@ -224,7 +224,7 @@ def quantize_model(model: nnx.Module, policy: QuantPolicy,
     cal = calibration.get(path) if isinstance(calibration, Mapping) else calibration
     q = _quantize_weight(layer.w.get_value(), fmt, cal, path)
     target = qlayers[path]
-    target.w = QWeight(q, logical_axes=layer.axes)
+    target.w = QWeight(q, logical_axes=layer.axes, qformat=fmt)
     # Training-only fields go with the float weight; a PACT clip or input scale stays.
     target.set_quant(target.quant.replace(act_fmt=act, path=policy.path, fake_fmt=None,
                                           learn_scale=False, fake_act_fmt=None))

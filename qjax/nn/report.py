@@ -95,9 +95,14 @@ def einsum_layers(model: nnx.Module) -> list[tuple[str, Einsum]]:
           if isinstance(node, Einsum)]
 
 
-def format_name(q: QArray) -> str:
-  """The format's name with axes counted from the front, as the policy report shows it."""
-  nd, fmt = q.ndim, q.fmt
+def format_name(layer: Einsum) -> str:
+  """A quantized layer's format name with axes counted from the front, as the policy report
+  shows it (the `qformat` recipe its QWeight keeps; the QArray's layout if it has none)."""
+  q = layer.w.get_value()
+  fmt = layer.w.get_metadata().get('qformat')
+  if fmt is None:
+    return q.layout_name
+  nd = q.ndim
   return fmt.replace(channel_axes=tuple(a % nd for a in fmt.channel_axes),
                      group_axis=fmt.group_axis % nd).name
 
@@ -134,7 +139,7 @@ def model_report(model: nnx.Module) -> str:
     w = layer.w.get_value()
     if isinstance(w, QArray):
       act = layer.quant.act_fmt
-      fmt = format_name(w) + (f' x act {act.name}' if act else '')
+      fmt = format_name(layer) + (f' x act {act.name}' if act else '')
       b = nbytes(w)
     else:
       fake = layer.quant.fake_fmt

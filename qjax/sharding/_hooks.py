@@ -171,7 +171,7 @@ def _exact_on_shards(layer, w, split_contraction: bool) -> bool:
     return quant.fake_fmt is None and quant.fake_act_fmt is None
   path = 'int8' if quant.outlier_threshold is not None else quant.path  # LLM.int8(): int8 x int8
   if path == 'auto':
-    path = choose_path(w.fmt, quant.act_fmt)
+    path = choose_path(w.qtype, quant.act_fmt)
   return path in ('dequant', 'tiled') or not split_contraction
 
 
@@ -180,8 +180,7 @@ def _rebuild(proto, leaves, data_axes, mesh):
   if not isinstance(proto, QArray):
     return leaves[0]
   ways = math.prod(mesh.shape[a] for a in data_axes[-1])
-  zp = leaves[2] if len(leaves) > 2 else None
-  return QArray(leaves[0], leaves[1], zp, proto.fmt, proto.last_dim // ways, proto.dtype_name)
+  return proto.rebuild(leaves, last_dim=proto.last_dim // ways)
 
 
 def use_layout(rules: Rules, mesh):

@@ -34,12 +34,8 @@ def qarray_logical(logical: Sequence, q: QArray) -> list:
   logical = tuple(logical)
   if len(logical) != q.ndim:
     raise ValueError(f'QArray of shape {q.shape} got {len(logical)} logical axes {logical}.')
-  if q.fmt.group_size is None:
-    view_names = logical
-  else:
-    ga = q.fmt.group_axis % q.ndim
-    view_names = logical[:ga] + (logical[ga], None) + logical[ga + 1:]
-  scale_names = tuple(None if n == 1 else name for name, n in zip(view_names, q.scale.shape))
+  # Scales tile the data, so they are split like it (a dim of one scale stays whole).
+  scale_names = tuple(None if n == 1 else name for name, n in zip(logical, q.scale.shape))
   out = [logical, scale_names]
   if q.zero_point is not None:
     out.append(scale_names)
@@ -94,19 +90,18 @@ def _check_divisible(mesh, value, leaf_axes: list, what: str, layout) -> None:
 
 
 def _check_qarray_shards(mesh, q: QArray, data_axes, what: str, layout) -> None:
-  if q.fmt.group_size:
-    ga, g = q.fmt.group_axis % q.ndim, q.fmt.group_size
-    shard = q.shape[ga] // _ways(mesh, data_axes[ga])
-    if shard % g:
+  for dim, (t, n) in enumerate(zip(q.tile_shape, q.shape)):
+    shard = n // _ways(mesh, data_axes[dim])
+    if 1 < t < n and shard % t:
       raise ValueError(
-          f'Layout {layout}: {what} has groups of {g} along dim {ga} (size {q.shape[ga]}), '
+          f'Layout {layout}: {what} has groups of {t} along dim {dim} (size {n}), '
           f'split into shards of {shard}, which would cut a group. Every shard must hold '
           f'whole groups; use a group size dividing {shard}.')
   k = _ways(mesh, data_axes[-1])
-  if q.fmt.packed and k > 1 and (q.last_dim % k or packed_length(
-      q.last_dim // k, q.fmt.bits) * k != q.data.shape[-1]):
+  if q.qtype.packed and k > 1 and (q.last_dim % k or packed_length(
+      q.last_dim // k, q.bits) * k != q.data.shape[-1]):
     raise ValueError(
-        f'Layout {layout}: {what} packs {q.fmt.bits}-bit codes along its last axis '
+        f'Layout {layout}: {what} packs {q.bits}-bit codes along its last axis '
         f'({q.last_dim}), split {k} ways; each shard must hold whole packed bytes. Use a '
         f'last dim divisible by {k} times the codes per byte group.')
 
@@ -171,11 +166,11 @@ def cache_shardings(cache: KVCache, rules: Rules, mesh) -> KVCache:
     _check_divisible(mesh, a, per_leaf, what, rules)
     s = [NamedSharding(mesh, to_spec(d)) for d in per_leaf]
     if isinstance(a, QArray):
-      return QArray(s[0], s[1], s[2] if len(s) > 2 else None, a.fmt, a.last_dim, a.dtype_name)
+      return a.rebuild(s)
     return s[0]
   return KVCache(k=tuple(one(a, f'KV cache k[{i}]') for i, a in enumerate(cache.k)),
                  v=tuple(one(a, f'KV cache v[{i}]') for i, a in enumerate(cache.v)),
-                 length=NamedSharding(mesh, PartitionSpec()))
+                 length=NamedSharding(mesh, PartitionSpec()), qformat=cache.qformat)
 
 
 def shard_bytes(value, sharding: NamedSharding) -> int:

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from qjax.core import QArray, QFormat, dequantize, init_learned
+from qjax.core import QArray, QFormat, QType, dequantize, init_learned, scale_shape
 from qjax.nn import QuantPolicy, apply_fake_quant, einsum_layers, set_kv_format
 from qjax.nn.layers import Einsum, QATScale, parse_spec
 
@@ -51,9 +51,11 @@ from qjax.nn.layers import Einsum, QATScale, parse_spec
 TRAINABLE = nnx.Any(nnx.Param, QATScale)
 
 
-def _positive_axes(fmt: QFormat, ndim: int) -> QFormat:
-  return fmt.replace(channel_axes=tuple(sorted(a % ndim for a in fmt.channel_axes)),
-                     group_axis=fmt.group_axis % ndim)
+def _stores(q: QArray, fmt: QFormat) -> bool:
+  """Whether `q` holds codes and scales laid out as `fmt` would store them."""
+  return (q.qtype == QType.of(fmt) and tuple(q.scale.shape) == scale_shape(q.shape, fmt)
+          and (q.zero_point is None) == fmt.symmetric
+          and q.scale.dtype == jnp.dtype(fmt.scale_dtype))
 
 
 def _dequantized(model: nnx.Module) -> tuple[nnx.Module, dict]:
@@ -120,8 +122,8 @@ def prepare_qat(model: nnx.Module, policy: QuantPolicy, *,
   layers = dict(einsum_layers(qat))
   for path, q in ptq.items():
     fmt = layers[path].quant.fake_fmt
-    if fmt is None or _positive_axes(q.fmt, q.ndim) != _positive_axes(fmt, q.ndim):
-      raise ValueError(f'prepare_qat: layer {path!r} of the PTQ model is {q.fmt.name}, but the '
+    if fmt is None or not _stores(q, fmt):
+      raise ValueError(f'prepare_qat: layer {path!r} of the PTQ model is {q.layout_name}, but the '
                        f'policy makes it {fmt.name if fmt else "float"}; start QAT with the '
                        'policy the model was quantized with.')
 

@@ -84,7 +84,9 @@ def test_quantized_layers_keep_the_policy_layout(model, int3):
     for path, layer in einsum_layers(q):
       a, b = layer.w.get_value(), ref[path].w.get_value()
       if path != 'embed':
-        assert isinstance(a, QArray) and a.fmt == b.fmt and a.data.shape == b.data.shape
+        assert isinstance(a, QArray) and jax.tree.structure(a) == jax.tree.structure(b)
+        assert a.data.shape == b.data.shape and a.scale.shape == b.scale.shape
+        assert layer.w.get_metadata()['qformat'] == ref[path].w.get_metadata()['qformat']
     assert rep['layers/0/attn/o_proj'].reason.endswith(m)
 
 

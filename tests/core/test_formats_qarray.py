@@ -96,11 +96,11 @@ def test_roundtrip_error_at_most_half_a_step(bits, sym, gran, seed, scale_dtype)
   x = jax.random.normal(jax.random.key(seed), (16, 12)) * 3.0
   fmt = int_format(bits, symmetric=sym, scale_dtype=scale_dtype, **gran)
   q = quantize(x, fmt)
-  view, _ = qjax.grouped_view_shape(x.shape, q.fmt)
-  s = np.asarray(q.scale, np.float32)
-  z = 0.0 if q.zero_point is None else np.asarray(q.zero_point, np.float32)
-  xv = np.asarray(x).reshape(view)
-  err = np.abs(xv - np.asarray(dequantize(q)).reshape(view))
+  s = np.asarray(qjax.broadcast_scale(q.scale, x.shape), np.float32)  # one per element
+  z = 0.0 if q.zero_point is None else np.asarray(
+      qjax.broadcast_scale(q.zero_point, x.shape), np.float32)
+  xv = np.asarray(x)
+  err = np.abs(xv - np.asarray(dequantize(q)))
   inside = (xv >= (fmt.qmin - z) * s) & (xv <= (fmt.qmax - z) * s)
   assert (err <= s * (0.5 + 1e-5) + 1e-7)[inside].all()
   if sym and scale_dtype == 'float32':

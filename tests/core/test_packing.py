@@ -52,10 +52,11 @@ def test_pack_rejects_unpacked_widths(bits):
 
 def test_nbytes_int4_g128_4096():
   w = jnp.zeros((4096, 4096), jnp.float32)
-  q = quantize(w, int_format(4, group_size=128, channel_axes=(1,)))
+  fmt = int_format(4, group_size=128, channel_axes=(1,))
+  q = quantize(w, fmt)
   assert q.nbytes == 8 * 2**20 + 512 * 2**10
   assert q.nbytes == sum(a.nbytes for a in jax.tree.leaves(q))
-  est = qjax.estimate_nbytes(w.shape, q.fmt)['total']
+  est = qjax.estimate_nbytes(w.shape, fmt)['total']
   assert abs(q.nbytes - est) / est < 0.01
 
 

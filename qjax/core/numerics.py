@@ -1,0 +1,179 @@
+"""The numerics every quantizer shares: scale layout, scales and zero points, codes, checks.
+
+One place for the arithmetic that `qarray`, `calibration`, `fake_quant`, `learned` and the
+PTQ algorithms all need, so that each computes a scale, rounds a code and checks a value the
+same way (a QAT forward and the model it converts to agree bit for bit because of it).
+
+**Scale layout (tiles).** Scales and zero points have the rank of the data, and a tile of the
+data shares one scale: axis i of a tensor of shape `shape` with scales of shape `s` is cut
+into `s[i]` tiles of `shape[i] // s[i]` elements, and `shape[i] % s[i] == 0` always holds
+(qwix's invariant). Per-tensor scales have shape (1, ..., 1); per-channel along axis i have
+`s[i] = shape[i]`; groups of g along axis i have `s[i] = shape[i] // g`. In the *tiled view*
+(`tiled`) axis i becomes the pair (s[i], shape[i] // s[i]), so reducing every second axis
+gives one value per scale and a scale reshaped by `expand` broadcasts against it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qjax.core.formats import FLOAT_KINDS, QFormat, normalize_axis
+
+
+# ---- axes and layout ----------------------------------------------------------------------
+def resolved_axes(fmt: QFormat, ndim: int) -> tuple[tuple[int, ...], int | None]:
+  """(sorted channel axes, group axis or None) of `fmt` on a rank-`ndim` tensor, non-negative."""
+  channel = tuple(sorted({normalize_axis(a, ndim, f'QFormat.channel_axes={fmt.channel_axes}')
+                          for a in fmt.channel_axes}))
+  if fmt.group_size is None:
+    return channel, None
+  ga = normalize_axis(fmt.group_axis, ndim, f'QFormat.group_axis={fmt.group_axis}')
+  if ga in channel:
+    raise ValueError(f'QFormat: axis {ga} is both the group axis and a channel axis; a scale '
+                     'per element is not a quantization. Drop it from channel_axes.')
+  return channel, ga
+
+
+def scale_shape(shape: Sequence[int], fmt: QFormat) -> tuple[int, ...]:
+  """Shape of the scales (and zero points) `fmt` gives a tensor of `shape`.
+
+  Raises:
+    ValueError: an axis out of range, or a group size that does not divide its axis.
+  """
+  shape = tuple(int(d) for d in shape)
+  channel, ga = resolved_axes(fmt, len(shape))
+  out = [d if i in channel else 1 for i, d in enumerate(shape)]
+  if ga is not None:
+    g, n = fmt.group_size, shape[ga]
+    if n % g:
+      divisors = [d for d in (8, 16, 32, 64, 128, 256, 512, 1024) if n % d == 0]
+      raise ValueError(f'QFormat: group_size={g} does not divide axis {ga} of length {n} '
+                       f'(shape {shape}); use a divisor of {n} such as {divisors[-3:]} '
+                       'or per-channel scales.')
+    out[ga] = n // g
+  return tuple(out)
+
+
+def tile_shape(shape: Sequence[int], scale_shape_: Sequence[int]) -> tuple[int, ...]:
+  """Elements per tile along each axis; raises if the scale shape does not tile `shape`."""
+  shape, s = tuple(shape), tuple(scale_shape_)
+  if len(s) != len(shape) or any(d % k for d, k in zip(shape, s)) or 0 in s:
+    raise ValueError(f'scale shape {s} does not tile data shape {shape}: scales need the '
+                     "data's rank and shape[i] % scale.shape[i] == 0 on every axis.")
+  return tuple(d // k for d, k in zip(shape, s))
+
+
+def tiled(x: jax.Array, scale_shape_: Sequence[int]) -> jax.Array:
+  """`x` in its tiled view: axis i split into (scale_shape[i], tile[i])."""
+  t = tile_shape(x.shape, scale_shape_)
+  return x.reshape(tuple(d for pair in zip(scale_shape_, t) for d in pair))
+
+
+def tile_axes(ndim: int) -> tuple[int, ...]:
+  """The within-tile axes of a rank-`ndim` tensor's tiled view (reduce them per scale)."""
+  return tuple(range(1, 2 * ndim, 2))
+
+
+def expand(s: jax.Array) -> jax.Array:
+  """A scale-shaped array reshaped to broadcast against the tiled view."""
+  return s.reshape(tuple(d for k in s.shape for d in (k, 1)))
+
+
+def broadcast_scale(s: jax.Array, shape: Sequence[int]) -> jax.Array:
+  """A scale-shaped array repeated over its tiles: one value per element of `shape`."""
+  t = tile_shape(shape, s.shape)
+  return jnp.broadcast_to(expand(s), tuple(d for pair in zip(s.shape, t) for d in pair)
+                          ).reshape(tuple(shape))
+
+
+def first_of_tiles(full: jax.Array, scale_shape_: Sequence[int]) -> jax.Array:
+  """One element per tile (its first): the inverse of `broadcast_scale`."""
+  t = tile_shape(full.shape, scale_shape_)
+  return full[tuple(slice(None, None, k) for k in t)]
+
+
+# ---- scales, zero points and codes ----------------------------------------------------------
+def scale_and_zero_point(lo, hi, fmt: QFormat):
+  """Scale (rounded to `fmt.scale_dtype`) and zero point for a per-scale range.
+
+  An all-zero group (lo == hi == 0) gets scale 1 and zero point 0: its codes are 0 and it
+  dequantizes to exact zeros, never NaN. Elementwise: any layout of ranges works.
+  """
+  sdt = jnp.dtype(fmt.scale_dtype)
+  if fmt.symmetric:
+    amax = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
+    # Multiply by a host-side reciprocal: XLA may rewrite `/ const` that way under jit, and
+    # eager and jitted scales must agree bit for bit (QAT == converted model).
+    scale = jnp.where(amax > 0, amax * (1.0 / fmt.qmax), 1.0)
+    zp = None
+  else:
+    lo, hi = jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0)  # keep 0 exactly representable
+    span = hi - lo
+    scale = jnp.where(span > 0, span * (1.0 / (fmt.qmax - fmt.qmin)), 1.0)
+  if fmt.pow2_scale:
+    scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+  # Quantize with the scale as stored, so dequantize sees exactly what quantize used.
+  scale = scale.astype(sdt)
+  if not fmt.symmetric:
+    zp = jnp.clip(jnp.round(fmt.qmin - lo / scale.astype(jnp.float32)), fmt.qmin, fmt.qmax)
+    zp = zp.astype(sdt)
+  return scale, zp
+
+
+def to_codes(xv, scale, zp, fmt: QFormat):
+  """Codes of `xv` (float32) for scales/zero points that broadcast against it."""
+  s = scale.astype(jnp.float32)
+  if fmt.is_float:
+    y = jnp.clip(xv / s, -fmt.qmax, fmt.qmax)  # fp8 e4m3fn has no inf: saturate, don't NaN
+    return y.astype(FLOAT_KINDS[fmt.kind])
+  q = jnp.round(xv / s)
+  if zp is not None:
+    q = q + zp.astype(jnp.float32)
+  return jnp.clip(q, fmt.qmin, fmt.qmax).astype(jnp.int8)
+
+
+def from_codes(c, scale, zp, dtype=jnp.float32):
+  """`(c - zp) * scale` in `dtype`, for scales/zero points that broadcast against `c`."""
+  v = c.astype(jnp.float32)
+  if zp is not None:
+    v = v - zp.astype(jnp.float32)
+  return (v * scale.astype(jnp.float32)).astype(dtype)
+
+
+def fake_round(x, scale, zp, fmt: QFormat):
+  """Quantize-dequantize `x` (float32 result, no straight-through gradient; see fake_quant).
+
+  `scale` / `zp` either broadcast against `x` elementwise or tile it (the scale layout).
+  """
+  x = jnp.asarray(x, jnp.float32)
+  if scale.ndim == x.ndim and not _broadcasts(scale.shape, x.shape):
+    xv = tiled(x, scale.shape)
+    s, z = expand(scale), None if zp is None else expand(zp)
+    return from_codes(to_codes(xv, s, z, fmt), s, z).reshape(x.shape)
+  return from_codes(to_codes(x, scale, zp, fmt), scale, zp)
+
+
+def _broadcasts(s, shape) -> bool:
+  return all(a in (1, b) for a, b in zip(s, shape))
+
+
+# ---- checks -------------------------------------------------------------------------------
+def is_concrete(x) -> bool:
+  """Whether `x`'s values are known here (not a tracer under jit / grad / vmap)."""
+  return not isinstance(x, jax.core.Tracer)
+
+
+def check_finite(x, what: str) -> None:
+  """Raise if a concrete `x` holds NaN or Inf (values under tracing are unknown: skipped)."""
+  if not is_concrete(x):
+    return
+  bad = ~np.isfinite(np.asarray(x, dtype=np.float32))
+  if bad.any():
+    idx = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f'{what}: the tensor holds {int(bad.sum())} NaN/Inf values (first at '
+                     f'index {idx}); quantization would silently corrupt them. Fix the source '
+                     'tensor (or clip it) before quantizing.')
