@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
+from qjax.core import numerics
 from qjax.core.formats import INT_BITS, QFormat, normalize_axis
-
-
-def is_concrete(x) -> bool:
-  """Whether `x` holds values we can inspect (not a tracer inside jit/vmap)."""
-  return not isinstance(x, jax.core.Tracer)
+from qjax.core.numerics import is_concrete  # noqa: F401  (re-exported for the algorithms)
 
 
 def check_finite(x, what: str) -> None:
-  """Raise if a concrete `x` holds NaN/Inf; tracers pass (their values are unknown)."""
-  if x is None or not is_concrete(x):
-    return
-  bad = ~np.isfinite(np.asarray(x, dtype=np.float32))
-  if bad.any():
-    idx = tuple(int(i) for i in np.argwhere(bad)[0])
-    raise ValueError(f'{what} holds {int(bad.sum())} NaN/Inf values (first at index {idx}); '
-                     'calibration statistics must be finite. Find the layer or batch that '
-                     'overflowed (e.g. run calibration in float32) and recollect them.')
+  """The core's finiteness check, with the fix for calibration statistics."""
+  numerics.check_finite(x, what, 'calibration statistics must be finite. Find the layer or '
+                        'batch that overflowed (e.g. run calibration in float32) and recollect '
+                        'them.')
 
 
 def check_nonnegative(x, what: str) -> None:

@@ -167,13 +167,19 @@ def is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-def check_finite(x, what: str) -> None:
-  """Raise if a concrete `x` holds NaN or Inf (values under tracing are unknown: skipped)."""
-  if not is_concrete(x):
+_QUANTIZE_FIX = ('quantization would silently corrupt them. Fix the source tensor (or clip '
+                 'it) before quantizing.')
+
+
+def check_finite(x, what: str, fix: str = _QUANTIZE_FIX) -> None:
+  """Raise if a concrete `x` holds NaN or Inf (values under tracing are unknown: skipped).
+
+  The message names `what`, the count, the first bad index and `fix` (what to do about it).
+  """
+  if x is None or not is_concrete(x):
     return
   bad = ~np.isfinite(np.asarray(x, dtype=np.float32))
   if bad.any():
     idx = tuple(int(i) for i in np.argwhere(bad)[0])
-    raise ValueError(f'{what}: the tensor holds {int(bad.sum())} NaN/Inf values (first at '
-                     f'index {idx}); quantization would silently corrupt them. Fix the source '
-                     'tensor (or clip it) before quantizing.')
+    raise ValueError(f'{what} holds {int(bad.sum())} NaN/Inf values (first at index {idx}); '
+                     f'{fix}')

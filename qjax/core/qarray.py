@@ -288,7 +288,7 @@ def quantize(x: jax.Array, fmt: QFormat, calibration: RangeArg = None) -> QArray
                      '.astype(jnp.float32) first.')
   if x.ndim == 0:
     raise ValueError('quantize: got a scalar; quantize tensors of rank >= 1.')
-  numerics.check_finite(x, f'quantize({fmt.name}, shape={x.shape})')
+  numerics.check_finite(x, f'quantize({fmt.name}, shape={x.shape}): the tensor')
   sshape = numerics.scale_shape(x.shape, fmt)
   if isinstance(calibration, tuple):
     lo, hi = calibration

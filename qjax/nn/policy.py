@@ -26,10 +26,9 @@ import warnings
 from typing import Mapping, Optional, Union
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from qjax.core import QFormat, choose_path, nbytes, quantize
+from qjax.core import QFormat, check_finite, choose_path, nbytes, quantize
 from qjax.core.qarray import RangeArg
 from qjax.core.qdot import PATHS
 from qjax.nn.layers import Einsum, QWeight, parse_spec
@@ -174,9 +173,8 @@ def _quantize_jit(w, fmt, method):
 
 def _quantize_weight(w, fmt: QFormat, cal, path: str):
   """`quantize`, jitted (one compile per shape and format, instead of op by op)."""
-  if not isinstance(w, jax.core.Tracer) and not bool(jnp.isfinite(w).all()):
-    raise ValueError(f'quantize_model: layer {path!r} has NaN/Inf weights; fix the checkpoint '
-                     'or exempt the layer.')
+  check_finite(w, f'quantize_model: the weight of layer {path!r}',
+               'fix the checkpoint or exempt the layer.')
   if isinstance(cal, tuple):  # a precomputed range: arrays, not a static method name
     return quantize(w, fmt, cal)
   return _quantize_jit(w, fmt, cal)
