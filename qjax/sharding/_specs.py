@@ -2,9 +2,9 @@
 
 A quantized weight keeps the float weight's logical axes (`QWeight.logical_axes`); they map
 onto its leaves as follows. Codes (`data`) have the weight's dims, the last one bit-packed,
-so a shard along it must hold whole byte groups. Scales and zero points live in the grouped
-view: the group axis becomes (groups, 1), the group index takes the weight axis's rule, and
-every size-1 dim is replicated.
+so a shard along it must hold whole byte groups. Scales and zero points have the data's rank
+and take the same logical axes, except that a dim holding one scale is replicated; a split
+dim must divide evenly, so every shard holds whole tiles.
 
 Vectors (norm scales) are replicated under every layout: a D- or H-vector costs nothing to
 copy, and a sharded one would need a gather at every use.
@@ -73,7 +73,7 @@ def _ways(mesh, mesh_axes) -> int:
 
 
 def _check_divisible(mesh, value, leaf_axes: list, what: str, layout) -> None:
-  """Every split dim of every leaf divides evenly; a QArray's shards hold whole groups/bytes."""
+  """Every split dim of every leaf divides evenly; a QArray's shards hold whole tiles/bytes."""
   is_q = isinstance(value, QArray)
   leaves = [x for x in (value.data, value.scale, value.zero_point) if x is not None] \
       if is_q else [value]
@@ -90,13 +90,8 @@ def _check_divisible(mesh, value, leaf_axes: list, what: str, layout) -> None:
 
 
 def _check_qarray_shards(mesh, q: QArray, data_axes, what: str, layout) -> None:
-  for dim, (t, n) in enumerate(zip(q.tile_shape, q.shape)):
-    shard = n // _ways(mesh, data_axes[dim])
-    if 1 < t < n and shard % t:
-      raise ValueError(
-          f'Layout {layout}: {what} has groups of {t} along dim {dim} (size {n}), '
-          f'split into shards of {shard}, which would cut a group. Every shard must hold '
-          f'whole groups; use a group size dividing {shard}.')
+  # Whole tiles per shard follow from the scales' dims dividing (checked above): a dim of
+  # one scale is replicated, k scales split w ways leave k/w whole tiles per shard.
   k = _ways(mesh, data_axes[-1])
   if q.qtype.packed and k > 1 and (q.last_dim % k or packed_length(
       q.last_dim // k, q.bits) * k != q.data.shape[-1]):

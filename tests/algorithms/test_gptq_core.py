@@ -1,5 +1,6 @@
 """GPTQ: exact RTN at H = I, an independent unblocked reference, gains over RTN, bad input."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -75,7 +76,9 @@ def test_hessian_streams_in_batches():
 def test_identity_hessian_is_rtn_exactly(fmt):
   w = weight(256, 96)
   q, rtn = gptq_quantize(w, jnp.eye(256), fmt), quantize(w, fmt)
-  assert q.fmt == rtn.fmt and q.data.shape == rtn.data.shape and q.data.dtype == rtn.data.dtype
+  assert jax.tree.structure(q) == jax.tree.structure(rtn) and q.qtype == rtn.qtype
+  assert q.data.shape == rtn.data.shape and q.data.dtype == rtn.data.dtype
+  assert q.scale.shape == rtn.scale.shape and q.scale.dtype == rtn.scale.dtype
   np.testing.assert_array_equal(q.codes(), rtn.codes())
   np.testing.assert_array_equal(q.scale, rtn.scale)
   if not fmt.symmetric:

@@ -80,5 +80,5 @@ def test_bad_input_is_named():
     llm_int8_matmul(x[:, :100], w)
   with pytest.raises(ValueError, match='weight format int4.* is not vector-wise int8'):
     llm_int8_matmul(x, quantize(w, int_format(4, channel_axes=(1,))))
-  with pytest.raises(ValueError, match='weight format int8-tensor is not vector-wise'):
+  with pytest.raises(ValueError, match=r'weight format int8 tiles\(2048,128\) is not vector-wise'):
     llm_int8_matmul(x, quantize(w, int_format(8)))

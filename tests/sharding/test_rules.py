@@ -112,24 +112,32 @@ def test_mesh_too_small_for_heads_or_batch(eight_devices):
 
 
 def test_quantized_weight_leaves_follow_the_logical_axes(eight_devices):
-  """Codes keep the weight's dims (last one packed), scales the grouped view's."""
+  """Codes keep the weight's dims (last one packed); scales have the same rank and axes."""
   fmt = int_format(4, group_size=16)
   qm, _ = quantize_model(lib.model(1), QuantPolicy((QuantRule('.*mlp.*', fmt),)))
-  q = qm.layers[0].mlp.gate_proj.w.get_value()   # (64, 256) -> data (64, 128), scale (4,1,256)
-  assert q.data.shape == (64, 128) and q.scale.shape == (4, 1, 256)
+  q = qm.layers[0].mlp.gate_proj.w.get_value()   # (64, 256) -> data (64, 128), scale (4, 256)
+  assert q.data.shape == (64, 128) and q.scale.shape == (4, 256)
   logical = sharding.qarray_logical(ax.WEIGHT_AXES['DF'], q)
-  assert logical == [(ax.EMBED, ax.MLP), (ax.EMBED, None, ax.MLP)]
+  assert logical == [(ax.EMBED, ax.MLP), (ax.EMBED, ax.MLP)]
   r = sharding.layout_rules('2d_ws+mq_batch')
   assert sharding.leaf_mesh_axes(r, ax.WEIGHT_AXES['DF'], q, 'gate') == [
-      (('x',), ('z', 'y')), (('x',), (), ('z', 'y'))]
+      (('x',), ('z', 'y')), (('x',), ('z', 'y'))]
   mesh = sharding.make_mesh('2x2x2')
   sm = sharding.ShardedTransformer(qm, mesh, '2d_ws+mq_batch')
   w = sm.state['layers'][0]['mlp']['gate_proj']['w'].get_value()
   assert w.data.sharding.spec == P('x', ('z', 'y'))
   assert w.data.addressable_shards[0].data.shape == (32, 32)   # 64/2 rows, 128/4 bytes
-  assert w.scale.addressable_shards[0].data.shape == (2, 1, 64)
-  # A group that straddles shards is an error: 64 rows split 2 ways, groups of 64.
-  coarse, _ = quantize_model(lib.model(1), QuantPolicy((QuantRule(
+  assert w.scale.sharding.spec == P('x', ('z', 'y'))
+  assert w.scale.addressable_shards[0].data.shape == (2, 64)   # 4/2 groups, 256/4 columns
+  # One scale for a whole axis (groups of 64 over 64 rows) is replicated along it: every
+  # shard holds its rows' scale. A group that straddles shards is an error: 64 rows split 4
+  # ways into shards of 16, groups of 32.
+  whole, _ = quantize_model(lib.model(1), QuantPolicy((QuantRule(
       '.*mlp/(gate|up)_proj', int_format(4, group_size=64)),)))
-  with pytest.raises(ValueError, match='gate_proj/w has groups of 64.*shards of 32'):
-    sharding.ShardedTransformer(coarse, mesh, '2d_ws+mq_batch')
+  w = sharding.ShardedTransformer(whole, mesh, '2d_ws+mq_batch').state[
+      'layers'][0]['mlp']['gate_proj']['w'].get_value()
+  assert w.scale.shape == (1, 256) and w.scale.sharding.spec == P(None, ('z', 'y'))
+  coarse, _ = quantize_model(lib.model(1), QuantPolicy((QuantRule(
+      '.*mlp/(gate|up)_proj', int_format(4, group_size=32)),)))
+  with pytest.raises(ValueError, match=r'gate_proj/w scales dim 0 \(size 2\) is split over mesh axes x=4'):
+    sharding.ShardedTransformer(coarse, sharding.make_mesh('4x2x1'), '2d_ws+mq_batch')
