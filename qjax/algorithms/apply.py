@@ -59,18 +59,18 @@ def resolve_options(method: str, options: Optional[dict]) -> dict:
   return opts
 
 
-def _embed_fwd(model: Transformer, tokens_BT):
+def embed_fwd(model: Transformer, tokens_BT):
   """The input of block 0: the model's own prologue."""
   return model.embed_tokens(tokens_BT)
 
 
-def _block_fwd(block, x_BTD):
+def block_fwd(block, x_BTD):
   """One block's cache-free forward at positions 0..T-1 (what `Transformer.blocks` runs)."""
   b, t = x_BTD.shape[:2]
   return block(x_BTD, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), None)[0]
 
 
-def _head_fwd(model: Transformer, x_BTD):
+def head_fwd(model: Transformer, x_BTD):
   """The logits of the last block's output: the model's own epilogue (norm, head, softcap)."""
   return model.logits(x_BTD)
 
@@ -214,13 +214,13 @@ def apply_method(model: Transformer, policy: QuantPolicy, method: str, calib_tok
   if method == 'llm_int8':  # converted up front: one model structure to compile per block
     _llm_int8_convert(ctx)
   src = qmodel if opts['sequential'] else model
-  xs = [forward(src, _embed_fwd, b) for b in batches]
+  xs = [forward(src, embed_fwd, b) for b in batches]
   for i in range(cfg.num_layers):
     for stage in BLOCK_STAGES:
-      _process(ctx, method, stage, f'layers/{i}/', src.layers[i], _block_fwd, xs)
-    xs = [forward(src.layers[i], _block_fwd, x) for x in xs]
+      _process(ctx, method, stage, f'layers/{i}/', src.layers[i], block_fwd, xs)
+    xs = [forward(src.layers[i], block_fwd, x) for x in xs]
   if model.lm_head is not None:
-    _process(ctx, method, HEAD_STAGE, '', src, _head_fwd, xs)
+    _process(ctx, method, HEAD_STAGE, '', src, head_fwd, xs)
   elif 'embed' in fmts:
     ctx.notes.append('embed (tied LM head) kept RTN: its table is also the input lookup, so it '
                  'can be neither rescaled nor fitted to the head\'s inputs alone')

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from qjax.algorithms import llm_int8_matmul
-from qjax.algorithms.apply import METHODS, _block_fwd, apply_method
+from qjax.algorithms.apply import METHODS, block_fwd, apply_method
 from qjax.algorithms.stages import fold_scales, stage_keys
 from qjax.algorithms.awq_core import awq_scales
 from qjax.algorithms.calibrate import collect_stats
@@ -123,7 +123,7 @@ def test_folding_scales_leaves_the_float_model_unchanged(model, data, fold_linea
   ref = logits(model, tokens)
   cfg = model.config
   x0 = model.embed.lookup(jnp.asarray(data[0][:8]), jnp.float32)
-  st = collect_stats(model.layers[0], _block_fwd, [x0], ['attn/q_proj', 'attn/o_proj',
+  st = collect_stats(model.layers[0], block_fwd, [x0], ['attn/q_proj', 'attn/o_proj',
                                                          'mlp/gate_proj', 'mlp/down_proj'],
                      kinds=('absmean', 'absmax'))
   tie = (np.arange(cfg.num_heads)[:, None] // cfg.group_size * cfg.head_dim

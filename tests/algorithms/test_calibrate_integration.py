@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from qjax.algorithms import gptq_quantize
-from qjax.algorithms.apply import _block_fwd, _embed_fwd, _head_fwd
+from qjax.algorithms.apply import block_fwd, embed_fwd, head_fwd
 from qjax.algorithms.calibrate import (EinsumView, calibration_batches, collect_stats, forward,
                                        token_facts)
 from qjax.core import int_format
@@ -44,7 +44,7 @@ def test_streamed_stats_equal_a_manual_forward(model):
 
   # Streamed over 3 uneven batches of sequences.
   batches = [x0[:1], x0[1:4], x0[4:]]
-  st = collect_stats(blk, _block_fwd, batches, ['attn/q_proj', 'attn/o_proj', 'mlp/down_proj'],
+  st = collect_stats(blk, block_fwd, batches, ['attn/q_proj', 'attn/o_proj', 'mlp/down_proj'],
                      kinds=('hessian', 'absmean', 'absmax'))
   for name, x, rows in (('attn/q_proj', h, 64), ('attn/o_proj', o_in, 128),
                         ('mlp/down_proj', d_in, 128)):
@@ -105,10 +105,10 @@ def test_the_block_walk_reproduces_the_model(tied):
   cfg = TransformerConfig.tiny(tie_embeddings=tied, embed_scale=True, final_logit_softcap=0.5)
   model = Transformer(cfg, rngs=nnx.Rngs(4))
   tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, 256)
-  x = forward(model, _embed_fwd, tokens)
+  x = forward(model, embed_fwd, tokens)
   for blk in model.layers:
-    x = forward(blk, _block_fwd, x)
-  y = forward(model, _head_fwd, x)
+    x = forward(blk, block_fwd, x)
+  y = forward(model, head_fwd, x)
   np.testing.assert_allclose(y, model(tokens), rtol=1e-5, atol=1e-5)
   uncapped = Transformer(cfg.replace(final_logit_softcap=None), rngs=nnx.Rngs(4))
   assert np.abs(uncapped(tokens)).max() > 0.5  # so a dropped softcap would show
