@@ -87,7 +87,7 @@ def _upper_cholesky_of_inverse(h_PP: jax.Array, damp: float) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=('fmt', 'block_size', 'n_groups'))
-def _sweep(w_PF, u_PP, gid_P, first_P, members_NG, *, fmt: QFormat, block_size: int,
+def _sweep(w_PF, u_PP, gid_P, first_P, rows_of_group, *, fmt: QFormat, block_size: int,
            n_groups: int):
   """The jitted column sweep in permuted order; returns pre-rounding rows and group ranges."""
   p, f = w_PF.shape
@@ -110,7 +110,7 @@ def _sweep(w_PF, u_PP, gid_P, first_P, members_NG, *, fmt: QFormat, block_size: 
       g = gid_P[pos]
 
       def set_range(tabs):
-        idx = members_NG[jnp.minimum(g, n_groups - 1)]
+        idx = rows_of_group[jnp.minimum(g, n_groups - 1)]
         cur = w[idx] - jnp.dot(u_rows[:, idx].T, err1, precision=_HI)
         lo, hi = compute_range(cur, range_fmt)
         return (tabs[0].at[g].set(jnp.broadcast_to(lo, (1, f))[0]),
