@@ -4,11 +4,17 @@ The step is one jitted function of (graphdef, state, tokens_BT, cache), compiled
 the prompt length and once for T = 1; the model's arrays are arguments, not constants, so a
 quantized model's codes are not baked into the executable. Sampling strategies and batching
 belong to `qjax.infer`; this is the minimal loop the experiments need.
+
+`decode_step` is the general step: a static `pick(logits_BV, *pick_args)` turns the last
+position's logits into whatever the caller wants (argmax for greedy; `qjax.infer` passes a
+sampler with per-row keys), inside the same compiled function. `logits_step` returns the
+logits of every fed position (a verifier scoring several tokens at once).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +30,48 @@ def _greedy_step(graphdef, state, tokens_BT, cache):
   model = nnx.merge(graphdef, state)
   logits_BTV, cache = model(tokens_BT, cache=cache)
   return jnp.argmax(logits_BTV[:, -1], axis=-1).astype(tokens_BT.dtype), cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=3)
+def _pick_step(graphdef, state, tokens_BT, cache, pick, pick_args):
+  model = nnx.merge(graphdef, state)
+  logits_BTV, cache = model(tokens_BT, cache=cache)
+  return pick(logits_BTV[:, -1], *pick_args), cache
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def _logits_step(graphdef, state, tokens_BT, cache):
+  model = nnx.merge(graphdef, state)
+  return model(tokens_BT, cache=cache)
+
+
+def decode_step(model: nnx.Module, tokens_BT: jax.Array, cache: KVCache,
+                pick: Callable[..., Any], *pick_args) -> tuple[Any, KVCache]:
+  """Feed `tokens_BT` through the cached model and `pick` from the last position's logits.
+
+  Args:
+    model: a `Transformer`.
+    tokens_BT: int token ids, T >= 1 per row (the prompt, or the last token).
+    cache: the KV cache (donated: use the returned one).
+    pick: a hashable function `pick(logits_BV, *pick_args) -> out` (a module-level function,
+      so that the step compiles once per pick); traced inside the step.
+    *pick_args: arrays (pytrees) passed to `pick`.
+
+  Returns:
+    (out, cache): what `pick` returned, and the cache advanced by T.
+  """
+  graphdef, state = nnx.split(model)
+  return _pick_step(graphdef, state, tokens_BT, cache, pick, pick_args)
+
+
+def logits_step(model: nnx.Module, tokens_BT: jax.Array,
+                cache: KVCache) -> tuple[jax.Array, KVCache]:
+  """Feed `tokens_BT` through the cached model: (logits_BTV of every fed position, cache).
+
+  The cache passed in is donated (its buffers are reused); use the returned one.
+  """
+  graphdef, state = nnx.split(model)
+  return _logits_step(graphdef, state, tokens_BT, cache)
 
 
 def greedy_step(model: nnx.Module, tokens_BT: jax.Array,

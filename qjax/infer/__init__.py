@@ -1,0 +1,16 @@
+"""Inference: sampling, speculative decoding, and the serving engine (paged cache, batching).
+
+    from qjax.infer import SamplingParams, SamplingBatch, sample, processed_logits
+"""
+
+# --- sampling and speculative decoding (qjax/infer/sampling.py, speculative.py) ---
+from qjax.infer.sampling import (SamplingBatch, SamplingParams, as_batch, finish_reason,
+                                 mark_seen, processed_logits, row_keys, sample, sample_from,
+                                 sample_generate, seen_mask, trim_stop_string,
+                                 truncate_at_stop)
+# --- end sampling and speculative decoding ---
+
+# --- engine: blockwise attention, paged KV cache, scheduler, prefix cache (blockwise.py,
+# paged.py, scheduler.py, prefix_cache.py, engine.py) ---
+from qjax.infer.blockwise import attention_temp_bytes, with_attention_impl
+# --- end engine ---
