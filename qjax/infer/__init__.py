@@ -8,6 +8,9 @@ from qjax.infer.sampling import (SamplingBatch, SamplingParams, as_batch, finish
                                  mark_seen, processed_logits, row_keys, sample, sample_from,
                                  sample_generate, seen_mask, trim_stop_string,
                                  truncate_at_stop)
+from qjax.infer.speculative import (SpecStats, check_compatible, layer_skip_draft,
+                                    speculative_generate)
+from qjax.infer.speculative_core import acceptance_prob, expected_tokens_per_pass, verify
 # --- end sampling and speculative decoding ---
 
 # --- engine: blockwise attention, paged KV cache, scheduler, prefix cache (blockwise.py,

@@ -1,0 +1,320 @@
+"""Speculative decoding: a cheap draft proposes gamma tokens, the target verifies them in one pass.
+
+    from qjax.infer import SamplingParams, speculative_generate, layer_skip_draft
+    draft = quantize_model(target, policy)[0]        # (a) self-draft, any qjax policy
+    draft = layer_skip_draft(target, num_layers=2)   # (b) the first k layers + the head
+    tokens_BT, stats = speculative_generate(target, draft, prompt_BT, max_tokens=32,
+                                            params=SamplingParams(temperature=0.7), gamma=4)
+    stats.alpha, stats.alpha_tv, stats.tokens_per_pass, stats.expected_tokens_per_pass
+
+One round (one jitted function of both models): the draft decodes gamma tokens with its own
+KV cache, drawing each from `processed_logits` of its logits; the target feeds the last
+emitted token and the gamma draft tokens (gamma + 1 positions) through its cache in one
+forward; `speculative_core.verify` accepts a prefix and draws the next token; both caches
+roll back to the accepted length by lowering each row's `length` (slots at or past a row's
+length are hidden by the causal mask and rewritten by the next round). Rows accept different
+numbers of tokens, so every row keeps its own length, output count and done flag.
+
+Exactness: every emitted token follows the target's processed distribution (temperature,
+top-k, top-p, min-p; greedy when temperature is 0, where the output is token for token
+`greedy_generate` of the target). The repetition penalty is refused: its distribution would
+depend on the draft tokens of the same round. Random streams are per row:
+`row_keys(seed, output position, stream)` with separate streams for the draft's draws, the
+acceptance uniforms and the residual / bonus draw.
+
+Cache bookkeeping: the target's cache holds every token but the last emitted one (`cur`).
+The draft's does too, except after a round that accepted all gamma tokens: the draft never
+fed its own last proposal, so that row carries it as `pending` and the next round's first
+draft step feeds two tokens [pending, cur] (rows without one feed [cur, cur] and count one;
+the extra slot sits past the row's length, hidden).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qjax.infer import speculative_core
+from qjax.infer.sampling import SamplingParams, as_batch, processed_logits, row_keys
+from qjax.nn import kvcache
+from qjax.nn.attention import kv_format
+from qjax.nn.generate import logits_step
+from qjax.nn.transformer import Transformer
+
+_DRAFT, _ACCEPT, _FINAL = 2, 1, 3  # random streams (row_keys' `stream`)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecStats:
+  """What a speculative run measured (sums over rows and rounds; rows count while not done).
+
+  Attributes:
+    gamma: draft tokens per round.
+    rounds: target verification passes summed over rows (prefill not counted).
+    tokens: tokens emitted by those passes (before cutting to max_tokens).
+    reached_G: per draft position, how often a round reached it (all before it accepted).
+    accepted_G: per draft position, how often it was accepted.
+    beta_sum_G: per draft position, the sum of 1 - TV(p, q) over the rounds that reached it.
+  """
+
+  gamma: int
+  rounds: int
+  tokens: int
+  reached_G: np.ndarray
+  accepted_G: np.ndarray
+  beta_sum_G: np.ndarray
+
+  @property
+  def acceptance_by_position(self) -> np.ndarray:
+    return self.accepted_G / np.maximum(self.reached_G, 1)
+
+  @property
+  def alpha(self) -> float:
+    """Measured per-position acceptance rate: accepted / reached over all positions."""
+    return float(self.accepted_G.sum() / max(self.reached_G.sum(), 1))
+
+  @property
+  def alpha_tv(self) -> float:
+    """The same estimated from the distributions: mean of 1 - TV(p, q) at reached positions."""
+    return float(self.beta_sum_G.sum() / max(self.reached_G.sum(), 1))
+
+  @property
+  def tokens_per_pass(self) -> float:
+    """Mean tokens emitted per target pass (the mean accepted length, bonus included)."""
+    return self.tokens / max(self.rounds, 1)
+
+  @property
+  def passes_per_token(self) -> float:
+    return self.rounds / max(self.tokens, 1)
+
+  @property
+  def expected_tokens_per_pass(self) -> float:
+    """Leviathan et al.'s (1 - alpha^(gamma+1)) / (1 - alpha) at the measured alpha."""
+    return float(speculative_core.expected_tokens_per_pass(self.alpha, self.gamma))
+
+  def row(self) -> dict:
+    """The headline numbers as a flat dict (a sweep row)."""
+    return dict(gamma=self.gamma, alpha=self.alpha, alpha_tv=self.alpha_tv,
+                tokens_per_pass=self.tokens_per_pass,
+                expected_tokens_per_pass=self.expected_tokens_per_pass,
+                passes_per_token=self.passes_per_token, rounds=self.rounds,
+                tokens=self.tokens,
+                acceptance_by_position=[float(a) for a in self.acceptance_by_position])
+
+
+def layer_skip_draft(model: Transformer, num_layers: int) -> Transformer:
+  """The target's first `num_layers` blocks, its final norm and head, sharing its arrays.
+
+  Args:
+    model: the target.
+    num_layers: k, in [1, model.config.num_layers].
+
+  Returns:
+    A `Transformer` whose config has num_layers=k; its modules are the target's own (no copy),
+    so quantizing or training the target changes the draft too.
+  """
+  cfg = model.config
+  if not 1 <= num_layers <= cfg.num_layers:
+    raise ValueError(f'layer_skip_draft: num_layers={num_layers} must be in [1, '
+                     f'{cfg.num_layers}] (the target has {cfg.num_layers} blocks).')
+  dcfg = cfg.replace(num_layers=num_layers)
+  draft = nnx.eval_shape(lambda: Transformer(dcfg, rngs=nnx.Rngs(0)))
+  draft.embed, draft.final_norm, draft.lm_head = model.embed, model.final_norm, model.lm_head
+  draft.layers = nnx.List(list(model.layers)[:num_layers])
+  return draft
+
+
+def check_compatible(target, draft, gamma: int, target_tokenizer=None,
+                     draft_tokenizer=None) -> None:
+  """Raise unless `draft` can draft for `target`: same vocabulary (and tokenizer), gamma >= 1."""
+  if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
+    raise ValueError(f'speculative: gamma={gamma!r} must be an int >= 1 (draft tokens per '
+                     'target pass).')
+  tv, dv = target.config.vocab_size, draft.config.vocab_size
+  if tv != dv:
+    raise ValueError(f'speculative: the draft has vocab_size={dv} but the target {tv}; a '
+                     'draft must share the target vocabulary (use a draft of the same family).')
+  if (target_tokenizer is None) != (draft_tokenizer is None):
+    raise ValueError('speculative: pass both tokenizers or neither.')
+  if target_tokenizer is not None and target_tokenizer is not draft_tokenizer:
+    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+      raise ValueError('speculative: the draft and target tokenizers map tokens to different '
+                       'ids; token ids would mean different text. Use the same tokenizer.')
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 4), donate_argnums=(6,))
+def _round(tgraph, tstate, dgraph, dstate, gamma, params, state):
+  """One draft-verify round for every row; returns the new state and per-round stats."""
+  target, draft = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
+  tcache, dcache = state['tcache'], state['dcache']
+  cur_B, pend_B, has_pend_B = state['cur_B'], state['pending_B'], state['has_pending_B']
+  gen_B, done_B = state['gen_B'], state['done_B']
+  b = cur_B.shape[0]
+
+  # Finished rows still run (fixed shapes) but keep their lengths; their writes go to slots
+  # past the length, moved down where the cache would overflow (those rows are never read).
+  t_len_B, d_len_B = tcache.length, dcache.length
+  park = lambda len_B, c: jnp.where(done_B, jnp.minimum(len_B, c.max_len - gamma - 1), len_B)
+  tcache = dataclasses.replace(tcache, length=park(t_len_B, tcache))
+  dcache = dataclasses.replace(dcache, length=park(d_len_B, dcache))
+
+  # Draft step 0: [pending, cur] (two new tokens) or [cur, cur] (one; the second is hidden).
+  feed_B2 = jnp.stack([jnp.where(has_pend_B, pend_B, cur_B), cur_B], axis=1)
+  d_start_B = dcache.length
+  logits_B2V, dcache = draft(feed_B2, cache=dcache)
+  dcache = dataclasses.replace(dcache, length=d_start_B + 1 + has_pend_B.astype(jnp.int32))
+  logits_BV = jnp.where(has_pend_B[:, None], logits_B2V[:, 1], logits_B2V[:, 0])
+
+  def draw(logits_BV, i):
+    q_logp_BV = processed_logits(logits_BV, params)
+    keys_B = row_keys(params.seed_B, gen_B + i, _DRAFT)
+    return jax.vmap(jax.random.categorical)(keys_B, q_logp_BV).astype(jnp.int32), q_logp_BV
+
+  d_B, q_BV = draw(logits_BV, 0)
+
+  def step(carry, i):
+    dcache, d_B = carry
+    logits_B1V, dcache = draft(d_B[:, None], cache=dcache)
+    nd_B, q_BV = draw(logits_B1V[:, 0], i)
+    return (dcache, nd_B), (nd_B, q_BV)
+
+  (dcache, _), (ds_GB, qs_GBV) = jax.lax.scan(step, (dcache, d_B), jnp.arange(1, gamma))
+  draft_BG = jnp.concatenate([d_B[:, None], ds_GB.swapaxes(0, 1)], axis=1)
+  q_BGV = jnp.concatenate([q_BV[:, None], qs_GBV.swapaxes(0, 1)], axis=1)
+
+  # The target scores cur and the gamma draft tokens in one forward.
+  logits_BXV, tcache = target(jnp.concatenate([cur_B[:, None], draft_BG], axis=1),
+                              cache=tcache)
+  x = gamma + 1
+  p_BXV = processed_logits(logits_BXV.reshape(b * x, -1),
+                           jax.tree.map(lambda a: jnp.repeat(a, x), params)).reshape(
+                               b, x, -1)
+  uniform_BG = jax.vmap(lambda k: jax.random.uniform(k, (gamma,)))(
+      row_keys(params.seed_B, gen_B, _ACCEPT))
+  num_acc_B, tokens_BX, beta_BG = speculative_core.verify(
+      p_BXV, q_BGV, draft_BG, uniform_BG, row_keys(params.seed_B, gen_B, _FINAL))
+  # (The uniforms and final key are per round start gen_B: a key is reused only by a later
+  # round at the same output position, whose history never depended on it.)
+
+  live_B = ~done_B
+  num_new_B = num_acc_B + 1
+  full_B = num_acc_B == gamma
+  new_t_len_B = jnp.where(live_B, t_len_B + num_new_B, t_len_B)
+  new_d_len_B = jnp.where(live_B, new_t_len_B - full_B.astype(jnp.int32), d_len_B)
+  put = jax.vmap(lambda o, n, s: jax.lax.dynamic_update_slice_in_dim(o, n, s, axis=0))
+  out_BN = jnp.where(live_B[:, None], put(state['out_BN'], tokens_BX, gen_B), state['out_BN'])
+  new_cur_B = jnp.take_along_axis(tokens_BX, num_acc_B[:, None], axis=1)[:, 0]
+  new_gen_B = jnp.where(live_B, gen_B + num_new_B, gen_B)
+  valid_BX = jnp.arange(x)[None] < num_new_B[:, None]
+  stop_hit_B = jnp.any(valid_BX[..., None] & (tokens_BX[..., None] ==
+                                               state['stop_BS'][:, None, :]), axis=(1, 2))
+  new_state = dict(
+      state,
+      tcache=dataclasses.replace(tcache, length=new_t_len_B),
+      dcache=dataclasses.replace(dcache, length=new_d_len_B),
+      cur_B=jnp.where(live_B, new_cur_B, cur_B),
+      pending_B=jnp.where(live_B, draft_BG[:, -1], pend_B),
+      has_pending_B=jnp.where(live_B, full_B, has_pend_B),
+      gen_B=new_gen_B, out_BN=out_BN,
+      done_B=done_B | (live_B & ((new_gen_B >= state['max_B']) | stop_hit_B)))
+  reached_BG = (jnp.arange(gamma)[None] <= num_acc_B[:, None]) & live_B[:, None]
+  accepted_BG = (jnp.arange(gamma)[None] < num_acc_B[:, None]) & live_B[:, None]
+  stats = dict(rounds=jnp.sum(live_B), tokens=jnp.sum(jnp.where(live_B, num_new_B, 0)),
+               reached_G=jnp.sum(reached_BG, 0), accepted_G=jnp.sum(accepted_BG, 0),
+               beta_sum_G=jnp.sum(jnp.where(reached_BG, beta_BG, 0.0), 0))
+  return new_state, stats
+
+
+def _prefill(model, prompt_BT, cache):
+  if prompt_BT.shape[1] == 0:
+    return cache
+  return logits_step(model, prompt_BT, cache)[1]
+
+
+def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
+                         gamma: int = 4, target_tokenizer=None, draft_tokenizer=None,
+                         return_state: bool = False):
+  """Sample `max_tokens` tokens from `target` with `draft` proposing `gamma` per pass.
+
+  Args:
+    target: the `Transformer` whose distribution the output follows.
+    draft: any `Transformer` with the same vocabulary (quantized target, `layer_skip_draft`,
+      a separate small model); its own KV format is used for its cache.
+    prompt_BT: int token ids, the same length T >= 1 for every row.
+    max_tokens: tokens to generate per row (>= 1).
+    params: one `SamplingParams` for every row (default greedy), or a list of B; temperature,
+      top-k, top-p, min-p, seed and stop_tokens are used; repetition_penalty must be 1.
+    gamma: draft tokens per target pass (>= 1).
+    target_tokenizer, draft_tokenizer: optional; checked to map tokens to the same ids.
+    return_state: also return the final state (dict: 'tcache', 'dcache', 'cur_B',
+      'pending_B', 'has_pending_B', 'gen_B', 'out_BN'), e.g. to check the caches.
+
+  Returns:
+    (tokens_B(T+max_tokens), stats[, state]): prompt + output (after a row's first stop
+    token the row repeats it, so rows keep one width; `truncate_at_stop` cuts it), and a
+    `SpecStats`.
+  """
+  check_compatible(target, draft, gamma, target_tokenizer, draft_tokenizer)
+  if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \
+      or max_tokens < 1:
+    raise ValueError(f'speculative_generate: max_tokens={max_tokens!r} must be an int >= 1.')
+  prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+  b, t = prompt_BT.shape
+  if t < 1:
+    raise ValueError('speculative_generate: the prompt is empty; give at least one token.')
+  params = SamplingParams(temperature=0.0) if params is None else params
+  plist = [params] * b if isinstance(params, SamplingParams) else list(params)
+  for p in plist:
+    if p.repetition_penalty != 1:
+      raise ValueError(f'speculative_generate: repetition_penalty={p.repetition_penalty} is '
+                       'not supported (the penalised distribution would depend on the '
+                       "round's draft tokens); use 1.0.")
+    p.check_vocab(target.config.vocab_size)
+  batch = as_batch(plist, b)
+  need = t + max_tokens + gamma - 1  # the most slots a live row writes during a round
+  for name, model in (('target', target), ('draft', draft)):
+    if need > model.config.max_len:
+      raise ValueError(f'speculative_generate: prompt {t} + max_tokens {max_tokens} + gamma '
+                       f'{gamma} - 1 = {need} exceeds the {name} config.max_len='
+                       f'{model.config.max_len}; generate fewer tokens or lower gamma.')
+  # Room for rows that finished early to keep running a round past their end (_round).
+  size = min(need + gamma + 1, target.config.max_len, draft.config.max_len)
+  tcache = _prefill(target, prompt_BT[:, :-1],
+                    kvcache.init_cache(target.config, b, size, fmt=kv_format(target)))
+  dcache = _prefill(draft, prompt_BT[:, :-1],
+                    kvcache.init_cache(draft.config, b, size, fmt=kv_format(draft)))
+  num_stop = max([len(p.stop_tokens) for p in plist] + [1])
+  stop_BS = np.full((b, num_stop), -1, np.int32)
+  for i, p in enumerate(plist):
+    stop_BS[i, :len(p.stop_tokens)] = p.stop_tokens
+  zeros_B = lambda dtype=jnp.int32: jnp.zeros((b,), dtype)  # distinct buffers (donated)
+  state = dict(tcache=tcache, dcache=dcache, cur_B=prompt_BT[:, -1], pending_B=zeros_B(),
+               has_pending_B=zeros_B(bool), gen_B=zeros_B(), done_B=zeros_B(bool),
+               out_BN=jnp.zeros((b, max_tokens + gamma + 1), jnp.int32),
+               max_B=jnp.full((b,), max_tokens, jnp.int32), stop_BS=jnp.asarray(stop_BS))
+  tgraph, tstate = nnx.split(target)
+  dgraph, dstate = nnx.split(draft)
+  totals = None
+  for _ in range(max_tokens):  # every live row emits >= 1 token per round
+    state, stats = _round(tgraph, tstate, dgraph, dstate, gamma, batch, state)
+    stats = jax.device_get(stats)
+    totals = stats if totals is None else jax.tree.map(np.add, totals, stats)
+    if bool(np.all(jax.device_get(state['done_B']))):
+      break
+  out_BN = np.asarray(state['out_BN'])[:, :max_tokens]
+  for i, p in enumerate(plist):  # after a stop token, repeat it (rows keep a fixed width)
+    hits = np.flatnonzero(np.isin(out_BN[i], p.stop_tokens)) if p.stop_tokens else []
+    if len(hits):
+      out_BN[i, hits[0] + 1:] = out_BN[i, hits[0]]
+  spec = SpecStats(gamma=gamma, rounds=int(totals['rounds']), tokens=int(totals['tokens']),
+                   reached_G=np.asarray(totals['reached_G']),
+                   accepted_G=np.asarray(totals['accepted_G']),
+                   beta_sum_G=np.asarray(totals['beta_sum_G']))
+  tokens = jnp.concatenate([prompt_BT, jnp.asarray(out_BN)], axis=1)
+  return (tokens, spec, state) if return_state else (tokens, spec)
