@@ -1,11 +1,12 @@
 """Checkpoints: Orbax save/restore of (quantized) models and conversion records."""
 
-from qjax.checkpoints.records import (RECORD_NAME, REQUIRED_FIELDS, conversion_record, digest,
-                                      file_sha256,
-                                      hardware_info, read_record, runtime_info, tree_sha256,
-                                      write_record)
+from qjax.checkpoints.records import (FIELD_TYPES, RECORD_NAME, REQUIRED_FIELDS,
+                                      content_sha256, conversion_record, digest, file_sha256,
+                                      hardware_info, read_record, record_sha256, runtime_info,
+                                      tree_sha256, validate_record, write_record)
 from qjax.checkpoints.orbax_io import restore_state, save_state
-from qjax.checkpoints.quantized import (load_quantized, policy_from_dict, policy_to_dict,
+from qjax.checkpoints.quantized import (check_fingerprint, fingerprint_tokens, load_quantized,
+                                        logits_fingerprint, policy_from_dict, policy_to_dict,
                                         save_quantized, skeleton, structure_fields)
 
 from qjax.checkpoints.gemma3 import gemma3_270m_path, load_gemma3_270m
@@ -15,7 +16,9 @@ from qjax.checkpoints.safetensors_io import hf_config, load_safetensors
 from qjax.checkpoints.tokenizer import build_tokenizer, check_vocab, gguf_tokenizer
 
 __all__ = [
-    'GEMMA3_FACTS', 'RECORD_NAME', 'REQUIRED_FIELDS', 'build_tokenizer', 'check_vocab',
+    'FIELD_TYPES', 'GEMMA3_FACTS', 'RECORD_NAME', 'REQUIRED_FIELDS', 'build_tokenizer',
+    'check_fingerprint', 'check_vocab', 'content_sha256', 'fingerprint_tokens',
+    'logits_fingerprint', 'record_sha256', 'validate_record',
     'digest', 'file_sha256', 'gemma3_270m_path', 'gguf_config', 'gguf_tokenizer',
     'hardware_info', 'hf_config', 'load_gemma3_270m', 'load_gguf', 'load_quantized',
     'load_safetensors', 'model_from_params', 'model_params', 'open_gguf', 'param_shapes',

@@ -10,7 +10,15 @@ from flax import nnx
 
 
 def save_state(directory: str, model: nnx.Module) -> str:
-  """Write `nnx.state(model)` with Orbax under `directory/state` (synchronously)."""
+  """Write `nnx.state(model)` with Orbax under `directory/state` (synchronously).
+
+  Raises:
+    ValueError: `directory` exists and is not a directory (Orbax would fail in a background
+      thread and leave the process hanging).
+  """
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise ValueError(f'save_state: {directory!r} exists and is a file; pass a directory path '
+                     '(new, or a previous output) or remove the file.')
   path = os.path.join(os.path.abspath(directory), 'state')
   ckpt = ocp.StandardCheckpointer()
   ckpt.save(path, nnx.state(model), force=True)

@@ -10,11 +10,15 @@ nothing else, and it refuses to load when any artifact's sha256 differs from the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 
 from flax import nnx
+import jax.numpy as jnp
+import numpy as np
 
 from qjax.checkpoints.orbax_io import restore_state, save_state
-from qjax.checkpoints.records import read_record, write_record
+from qjax.checkpoints.records import RECORD_NAME, content_sha256, read_record, write_record
 from qjax.core import LAYOUT_VERSION, QFormat
 from qjax.nn import (EinsumQuant, QuantPolicy, QuantRule, Transformer, TransformerConfig,
                      einsum_layers, kv_format, quantize_model, set_kv_format)
@@ -66,6 +70,65 @@ def structure_fields(qmodel: nnx.Module, policy: QuantPolicy) -> dict:
           'qarray_layout': LAYOUT_VERSION}
 
 
+def fingerprint_tokens(config) -> np.ndarray:
+  """The fixed [1, T] token ids a logits fingerprint is taken on (T = min(8, max_len))."""
+  t = min(8, config.max_len)
+  return ((np.arange(t) * 7919 + 3) % config.vocab_size).astype(np.int32)[None]
+
+
+def logits_fingerprint(model: nnx.Module) -> dict:
+  """The model's logits on `fingerprint_tokens`: their sha256, a sample and row statistics.
+
+  A reload recomputes it (`check_fingerprint`): a record whose structure fields were changed
+  (rope_base, a softcap, the MLP kind, an Einsum's description) gives other logits.
+
+  Args:
+    model: a Transformer (float or quantized).
+
+  Returns:
+    {'tokens', 'shape', 'sha256', 'sample' (the first 16 logits of every position),
+    'row_mean', 'row_std' (over the vocabulary, per position), 'max_abs'}.
+  """
+  tokens = fingerprint_tokens(model.config)
+  logits = np.asarray(model(jnp.asarray(tokens)), np.float32)[0]
+  return {'tokens': tokens[0].tolist(), 'shape': list(logits.shape),
+          'sha256': hashlib.sha256(logits.tobytes()).hexdigest(),
+          'sample': logits[:, :16].ravel().tolist(),
+          'row_mean': logits.mean(-1).tolist(), 'row_std': logits.std(-1).tolist(),
+          'max_abs': float(np.abs(logits).max())}
+
+
+def check_fingerprint(model: nnx.Module, expected: dict, where: str) -> None:
+  """Raise ValueError when `model`'s logits fingerprint differs from `expected`.
+
+  Bit-identical logits pass; otherwise the sample and row statistics must agree within
+  1e-3 of the logits' scale (another backend rounds differently; a changed model does not
+  come that close).
+  """
+  got = logits_fingerprint(model)
+  if got['sha256'] == expected.get('sha256'):
+    return
+  tol = 1e-3 * max(1.0, float(expected.get('max_abs', 1.0)))
+  worst = 0.0
+  for key in ('sample', 'row_mean', 'row_std'):
+    a, b = np.asarray(got[key]), np.asarray(expected.get(key, []), dtype=np.float64)
+    if a.shape != b.shape:
+      worst = float('inf')
+      break
+    worst = max(worst, float(np.max(np.abs(a - b))) if a.size else 0.0)
+  if not worst <= tol:
+    raise ValueError(f'{where}: the reloaded model\'s logits on the fingerprint tokens differ '
+                     f'from the recorded ones by up to {worst:.4g} (tolerance {tol:.2g}): the '
+                     'record describes another model than the saved weights (a structure '
+                     'field such as model_config or policy changed); re-run the conversion.')
+
+
+def _check_out_dir(out_dir: str) -> None:
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ValueError(f'output directory {out_dir!r} exists and is a file; pass a directory '
+                     'path (new or a previous output) or remove the file.')
+
+
 def save_quantized(out_dir: str, qmodel: nnx.Module, policy: QuantPolicy, record: dict) -> str:
   """Save `qmodel` (Orbax) and its conversion record (with artifact hashes) to `out_dir`.
 
@@ -86,7 +149,10 @@ def save_quantized(out_dir: str, qmodel: nnx.Module, policy: QuantPolicy, record
     raise ValueError(f"save_quantized: record['kv_cache_format']="
                      f"{record.get('kv_cache_format')!r}, but the model stores K/V as "
                      f'{_fmt(kv).name} (qjax.nn.kv_format); start the field with that name.')
+  _check_out_dir(out_dir)
   save_state(out_dir, qmodel)
+  structure['content_sha256'] = content_sha256(nnx.state(qmodel))
+  structure['logits_fingerprint'] = logits_fingerprint(qmodel)
   return write_record(out_dir, dict(record, **structure))
 
 
@@ -131,8 +197,21 @@ def skeleton(record: dict) -> nnx.Module:
   Returns:
     The model, ready for `restore_state`.
   """
-  cfg = TransformerConfig(**record['model_config'])
-  policy = policy_from_dict(record['policy'])
+  for field in ('model_config', 'policy'):
+    if not isinstance(record.get(field), dict):
+      raise ValueError(f'load_quantized: the record has no {field!r} object (got '
+                       f'{type(record.get(field)).__name__}); it is not a save_quantized '
+                       'record: re-run the conversion.')
+  try:
+    cfg = TransformerConfig(**record['model_config'])
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"load_quantized: the record's field 'model_config' is invalid: {e}; "
+                     're-run the conversion.') from None
+  try:
+    policy = policy_from_dict(record['policy'])
+  except (KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"load_quantized: the record's field 'policy' is invalid "
+                     f'({type(e).__name__}: {e}); re-run the conversion.') from None
   qmodel = quantize_model(Transformer(cfg, rngs=nnx.Rngs(0)), policy)[0]
   layers = dict(einsum_layers(qmodel))
   if 'einsum_quant' in record:
@@ -155,7 +234,19 @@ def skeleton(record: dict) -> nnx.Module:
 
 
 def load_quantized(out_dir: str, verify: bool = True):
-  """(qmodel, record) from `save_quantized`'s directory; refuses modified artifacts."""
+  """(qmodel, record) from `save_quantized`'s directory, verified.
+
+  Args:
+    out_dir: a `save_quantized` output.
+    verify: check the record's own hash, the artifact hashes, the arrays' content hash and
+      the logits fingerprint (False skips all four: for forensics only).
+
+  Returns:
+    (the quantized model, its record).
+
+  Raises:
+    ValueError: any check fails (the message names the file, field or artifact).
+  """
   record = read_record(out_dir, verify=verify)
   layout = record.get('qarray_layout', 1)
   if layout != LAYOUT_VERSION:
@@ -164,4 +255,16 @@ def load_quantized(out_dir: str, verify: bool = True):
                      f'qjax < 0.2), but this qjax reads layout {LAYOUT_VERSION} (scales of the '
                      "data's rank). Re-run the conversion with this version of qjax.")
   qmodel = restore_state(out_dir, lambda: skeleton(record))
+  if verify:
+    where = os.path.join(out_dir, RECORD_NAME)
+    for field in ('content_sha256', 'logits_fingerprint'):
+      if field not in record:
+        raise ValueError(f'{where}: the record has no {field!r} (written by an older qjax); '
+                         're-run the conversion.')
+    got = content_sha256(nnx.state(qmodel))
+    if got != record['content_sha256']:
+      raise ValueError(f"{where}: the restored arrays' content_sha256 {got[:16]}... differs "
+                       f"from the record's {record['content_sha256'][:16]}...; re-run the "
+                       'conversion.')
+    check_fingerprint(qmodel, record['logits_fingerprint'], where)
   return qmodel, record

@@ -16,10 +16,12 @@ import importlib.metadata
 import json
 import os
 import platform
+import stat
 import sys
-from typing import Iterable
+from typing import Any, Iterable
 
 import jax
+import numpy as np
 
 RECORD_NAME = 'conversion_record.json'
 REQUIRED_FIELDS = (
@@ -32,6 +34,7 @@ _PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'numpy', 'ml_
 
 
 def file_sha256(path: str) -> str:
+  """sha256 of a regular file's bytes."""
   h = hashlib.sha256()
   with open(path, 'rb') as f:
     for chunk in iter(lambda: f.read(1 << 20), b''):
@@ -39,20 +42,81 @@ def file_sha256(path: str) -> str:
   return h.hexdigest()
 
 
+def _check_entry(path: str, root_real: str, root: str) -> None:
+  """Refuse what hashing could hang on or escape through: FIFOs, devices, sockets, outward
+  symlinks (a symlink to /dev/zero would be read forever)."""
+  st = os.lstat(path)
+  if stat.S_ISLNK(st.st_mode):
+    target = os.path.realpath(path)
+    if os.path.commonpath([target, root_real]) != root_real:
+      raise ValueError(f'{path!r} is a symlink to {target!r}, outside the checkpoint directory '
+                       f'{root!r}; a checkpoint must hold its own files (copy the file in).')
+    st = os.stat(path)
+    if stat.S_ISDIR(st.st_mode):
+      raise ValueError(f'{path!r} is a symlink to a directory; a checkpoint directory holds '
+                       'plain files and directories only (copy it in).')
+  if not stat.S_ISREG(st.st_mode):
+    kind = ('a FIFO' if stat.S_ISFIFO(st.st_mode) else 'a device' if
+            stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
+            'a socket' if stat.S_ISSOCK(st.st_mode) else 'not a regular file')
+    raise ValueError(f'{path!r} is {kind}; a checkpoint directory may hold regular files only '
+                     '(remove it).')
+
+
 def _files(root: str) -> Iterable[str]:
-  for dirpath, _, names in os.walk(root):
+  root_real = os.path.realpath(root)
+  for dirpath, dirnames, names in os.walk(root):
+    dirnames.sort()
+    for d in dirnames:  # os.walk does not descend into symlinked dirs: refuse them instead
+      if os.path.islink(os.path.join(dirpath, d)):
+        _check_entry(os.path.join(dirpath, d), root_real, root)
     for n in sorted(names):
-      rel = os.path.relpath(os.path.join(dirpath, n), root)
+      full = os.path.join(dirpath, n)
+      rel = os.path.relpath(full, root)
       if rel != RECORD_NAME:
+        _check_entry(full, root_real, root)
         yield rel
 
 
 def tree_sha256(root: str) -> dict[str, str]:
-  """{relative path: sha256} of every file under `root` (the record itself excluded)."""
+  """{relative path: sha256} of every file under `root` (the record itself excluded).
+
+  Raises:
+    ValueError: `root` is missing, or holds a FIFO, device, socket or a symlink leading out
+      of it (named), which hashing would hang on or escape through.
+  """
   if not os.path.isdir(root):
     raise ValueError(f'checkpoint directory {root!r} does not exist; pass the directory '
                      'written by the training or quantization run.')
   return {rel: file_sha256(os.path.join(root, rel)) for rel in sorted(_files(root))}
+
+
+def _leaf_bytes(leaf) -> tuple[str, tuple[int, ...], bytes]:
+  if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    leaf = jax.random.key_data(leaf)
+  a = np.ascontiguousarray(np.asarray(leaf))
+  return a.dtype.name, tuple(a.shape), a.tobytes()
+
+
+def content_sha256(tree: Any) -> str:
+  """One sha256 over a pytree's arrays: each leaf's path, dtype, shape and bytes, in order.
+
+  Unlike `tree_sha256` of the files Orbax writes (random chunk names, timestamps, absolute
+  paths), this depends on the values only, so two runs that compute the same arrays give
+  the same hash: a rerun can prove it reproduced a result.
+
+  Args:
+    tree: any pytree of arrays (e.g. `nnx.state(model)`).
+
+  Returns:
+    The hex digest.
+  """
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    dtype, shape, data = _leaf_bytes(leaf)
+    h.update(json.dumps([jax.tree_util.keystr(path), dtype, list(shape)]).encode())
+    h.update(hashlib.sha256(data).digest())
+  return h.hexdigest()
 
 
 def digest(hashes: dict[str, str]) -> str:
@@ -134,6 +198,63 @@ def conversion_record(*, base_checkpoint: dict, tokenizer: str, source_dtype: st
   return record
 
 
+# Types a loader relies on (None allowed where listed). The other REQUIRED_FIELDS are
+# descriptive and free-form ('none' is an allowed value of each).
+FIELD_TYPES = {
+    'artifacts': (dict,), 'record_sha256': (str,), 'content_sha256': (str,),
+    'model_config': (dict,), 'policy': (dict,), 'einsum_quant': (dict,),
+    'kv_qformat': (dict, type(None)), 'qarray_layout': (int,), 'logits_fingerprint': (dict,),
+    'base_checkpoint': (dict, str),
+}
+HASH_FIELD = 'record_sha256'
+
+
+def _normalized(record: dict) -> dict:
+  """The record as JSON stores it (tuples -> lists, objects -> str), so a hash computed
+  before writing equals the one recomputed after reading."""
+  return json.loads(json.dumps(record, sort_keys=True, default=str))
+
+
+def record_sha256(record: dict) -> str:
+  """sha256 over every field of a record but `record_sha256` itself.
+
+  It covers the fields that rebuild the model (model config, policy, KV format, Einsum
+  descriptions), which no artifact hash does: editing one by hand must not load silently.
+  """
+  body = {k: v for k, v in _normalized(record).items() if k != HASH_FIELD}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def validate_record(record: Any, path: str) -> None:
+  """Raise ValueError naming `path` and the field when `record` breaks the schema.
+
+  Args:
+    record: a parsed conversion record.
+    path: its file (for the message).
+  """
+  if not isinstance(record, dict):
+    raise ValueError(f'{path}: a conversion record is a JSON object, got '
+                     f'{type(record).__name__}; the file is not a qjax record (re-run the '
+                     'conversion).')
+  missing = [f for f in REQUIRED_FIELDS if f not in record]
+  if missing:
+    raise ValueError(f'{path}: the conversion record has no field(s) {missing}; it is '
+                     'incomplete or was edited: re-run the conversion.')
+  for field, types in FIELD_TYPES.items():
+    if field not in record:
+      continue
+    value = record[field]
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+      want = ' or '.join('null' if t is type(None) else t.__name__ for t in types)
+      raise ValueError(f'{path}: field {field!r} is {type(value).__name__} '
+                       f'{str(value)[:60]!r}, expected {want}; the record was edited '
+                       'or corrupted: re-run the conversion.')
+  for rel, sha in record['artifacts'].items():
+    if not isinstance(sha, str):
+      raise ValueError(f"{path}: field 'artifacts' maps {rel!r} to {sha!r}, expected a sha256 "
+                       'hex string; re-run the conversion.')
+
+
 def write_record(out_dir: str, record: dict) -> str:
   """Complete `record` with artifact hashes, runtime and hardware, and write it as JSON.
 
@@ -153,27 +274,51 @@ def write_record(out_dir: str, record: dict) -> str:
   if missing:
     raise ValueError(f'conversion record is missing {missing}; a conversion cannot be '
                      'audited without them (fill them in, "none" is an allowed value).')
+  record = _normalized(record)
+  record[HASH_FIELD] = record_sha256(record)
   path = os.path.join(out_dir, RECORD_NAME)
+  validate_record(record, path)
   tmp = path + '.tmp'
   with open(tmp, 'w') as f:
-    json.dump(record, f, indent=2, sort_keys=True, default=str)
+    json.dump(record, f, indent=2, sort_keys=True)
   os.replace(tmp, path)
   return path
 
 
 def read_record(out_dir: str, verify: bool = True) -> dict:
-  """Read a conversion record and (by default) verify every artifact's sha256.
+  """Read a conversion record; validate its schema, its own hash and every artifact's sha256.
+
+  Args:
+    out_dir: the conversion output directory.
+    verify: check the record hash and the artifact hashes (the schema is always checked).
+
+  Returns:
+    The record.
 
   Raises:
-    ValueError: no record, a missing artifact, or a hash mismatch (names the file).
+    ValueError: no record, unreadable JSON, a bad field, an edited record, a missing,
+      modified or unexpected artifact (each names the file and the field or artifact).
   """
   path = os.path.join(out_dir, RECORD_NAME)
   if not os.path.isfile(path):
     raise ValueError(f'{out_dir!r} has no {RECORD_NAME}; it is not a qjax conversion output '
                      '(run `python -m experiments.quantize` to produce one).')
-  with open(path) as f:
-    record = json.load(f)
+  try:
+    with open(path, encoding='utf-8') as f:
+      record = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f'{path}: not valid JSON ({e}); the record is truncated or corrupted: '
+                     're-run the conversion.') from None
+  validate_record(record, path)
   if verify:
+    if HASH_FIELD not in record:
+      raise ValueError(f'{path}: the record has no {HASH_FIELD!r} (written before records '
+                       'were hashed, or the field was removed); re-run the conversion.')
+    if record_sha256(record) != record[HASH_FIELD]:
+      raise ValueError(f'{path}: the record\'s content does not match its {HASH_FIELD} '
+                       f'({record[HASH_FIELD][:16]}...): a field was edited after the '
+                       'conversion (e.g. model_config or policy, which rebuild the model); '
+                       're-run the conversion or restore the original record.')
     actual = tree_sha256(out_dir)
     for rel, sha in record['artifacts'].items():
       if rel not in actual:

@@ -53,6 +53,7 @@ def test_ptq_structure_reloads_bit_for_bit(tmp_path, method, policy, options, fi
   assert changed and changed == sorted(calibration['structure'])
   if old_record:  # written before 'einsum_quant': rebuilt from calibration.structure
     del record['einsum_quant']
+    record['record_sha256'] = qjax.checkpoints.record_sha256(record)  # records are hashed now
     json.dump(record, open(path, 'w'))
   loaded, _ = load_quantized(str(tmp_path))
   for (p, l), (_, m) in zip(einsum_layers(loaded), einsum_layers(qmodel)):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import qjax.checkpoints
 from qjax.checkpoints import REQUIRED_FIELDS, load_quantized, save_quantized
 from qjax.checkpoints.records import RECORD_NAME
 from qjax.core import int_format
@@ -81,6 +82,7 @@ def test_a_record_naming_a_missing_layer_is_refused(tmp_path):
   path = os.path.join(tmp_path, RECORD_NAME)
   record = json.load(open(path))
   record['einsum_quant']['layers/7/mlp/up_proj'] = record['einsum_quant'][UP]
+  record['record_sha256'] = qjax.checkpoints.record_sha256(record)  # records are hashed now
   json.dump(record, open(path, 'w'))
   with pytest.raises(ValueError, match=r"einsum_quant describes \['layers/7/mlp/up_proj'\]"):
     load_quantized(str(tmp_path))
@@ -93,6 +95,7 @@ def test_a_record_from_before_einsum_quant_still_loads(tmp_path):
   path = os.path.join(tmp_path, RECORD_NAME)
   record = json.load(open(path))
   record['act_clip_paths'] = [p for p, q in record.pop('einsum_quant').items() if q['pact']]
+  record['record_sha256'] = qjax.checkpoints.record_sha256(record)  # records are hashed now
   json.dump(record, open(path, 'w'))
   loaded, _ = load_quantized(str(tmp_path))
   assert all(l.quant == m.quant for (_, l), (_, m) in zip(einsum_layers(loaded),
@@ -106,6 +109,7 @@ def test_a_record_with_an_unknown_description_field_is_refused(tmp_path):
   path = os.path.join(tmp_path, RECORD_NAME)
   record = json.load(open(path))
   record['einsum_quant'][UP]['hqq'] = True
+  record['record_sha256'] = qjax.checkpoints.record_sha256(record)  # records are hashed now
   json.dump(record, open(path, 'w'))
   with pytest.raises(ValueError, match=r"einsum_quant of 'layers/0/mlp/up_proj'.*unknown fields "
                                        r"\['hqq'\]"):
