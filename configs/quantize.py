@@ -76,6 +76,8 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.workdir = 'results/tiny_lm'    # a finished `python -m experiments.train` run
   c.out_dir = ''                   # default: <workdir>/quantized/<format name>
+  c.allow_unfinished = False       # quantize a run stopped before train.steps (the record
+                                   # states the step)
   c.quant = quant_config()
   c.calib = calib_config()
   c.options = method_options()

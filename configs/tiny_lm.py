@@ -50,4 +50,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 100                # steps between Orbax saves
   c.checkpoint.keep = 2                   # checkpoints kept
+  c.checkpoint.allow_config_change = False  # resume with another config/data (recorded in
+                                            # provenance.jsonl); refused otherwise
   return c

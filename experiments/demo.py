@@ -38,6 +38,7 @@ def main(argv):
         f'{final["valid_ppl"]:.3f}. Written to {config.out_dir}/ (results.jsonl, table.md, '
         f'ppl_vs_bytes.png, points/*/conversion_record.json). Total '
         f'{time.perf_counter() - t0:.0f}s.' + (f' Failed points: {failed}' if failed else ''))
+  qeval.require_success(rows)  # every point failed: exit non-zero
 
 
 if __name__ == '__main__':

@@ -62,6 +62,7 @@ def main(argv):
   gemma.plot_ppl_vs_quantized_bytes(rows, os.path.join(c.out_dir, 'ppl_vs_quantized_bytes.png'))
   print('\n' + table + '\n\n' + gemma.source_type_table(rows))
   print(f'\ntotal {time.perf_counter() - t0:.0f} s; load average now {os.getloadavg()}')
+  qeval.require_success(rows)  # every point failed: exit non-zero
 
 
 if __name__ == '__main__':

@@ -38,6 +38,7 @@ def main(argv):
   path = config_flags.get_config_filename(flags.FLAGS['config'])
   rows = pipeline.run_qat_sweep(config, pipeline.load_sweep(path)())
   print(qeval.markdown_table(rows, pipeline.QAT_COLUMNS))
+  qeval.require_success(rows)  # every point failed: exit non-zero
 
 
 if __name__ == '__main__':

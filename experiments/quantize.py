@@ -26,11 +26,11 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/quantize.py', lock_
 def main(argv):
   del argv
   c = _CONFIG.value
-  model, _, data = pipeline.load_trained(c.workdir)
+  base = pipeline.trained_checkpoint(c.workdir, c.allow_unfinished)  # verified, or refused
+  model, _, data = pipeline.load_trained(c.workdir, c.allow_unfinished)
   ref = pipeline.FloatReference(model, data, c.eval)
   out = c.out_dir or os.path.join(c.workdir, 'quantized', pipeline.point_name(c.quant))
-  base_hash = pipeline.base_checkpoint_hash(c.workdir)
-  row = pipeline.quantize_and_evaluate(ref, c.quant, out, base_hash, calib=c.calib,
+  row = pipeline.quantize_and_evaluate(ref, c.quant, out, base, calib=c.calib,
                                        options=c.options)
   print(json.dumps(row, indent=2, default=str))
   print(f'\nfloat ppl {ref.ppl["ppl"]:.4f} -> {row["name"]} ppl {row["ppl"]:.4f}; '

@@ -3,7 +3,9 @@
 from qjax.eval.metrics import (greedy_agreement, kl_divergence, logit_diff, logits, perplexity,
                                unigram_perplexity)
 from qjax.eval.report import markdown_table, plot_ppl_vs_bytes
-from qjax.eval.sweep import append_result, read_results, run_sweep
+from qjax.eval.sweep import (append_result, check_base, read_results, repair_tail,
+                             require_success, run_sweep)
 
-__all__ = ['append_result', 'read_results', 'run_sweep', 'greedy_agreement', 'kl_divergence', 'logit_diff', 'logits', 'markdown_table',
+__all__ = ['append_result', 'check_base', 'read_results', 'repair_tail', 'require_success',
+           'run_sweep', 'greedy_agreement', 'kl_divergence', 'logit_diff', 'logits', 'markdown_table',
            'perplexity', 'plot_ppl_vs_bytes', 'unigram_perplexity']

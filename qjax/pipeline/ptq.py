@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import jax
@@ -20,7 +21,7 @@ from qjax import checkpoints as qckpt
 from qjax import eval as qeval
 from qjax.algorithms import apply_method
 from qjax.core import QFormat, choose_path
-from qjax.nn import QuantPolicy, QuantRule, set_kv_format, weight_bytes
+from qjax.nn import QuantPolicy, QuantRule, einsum_layers, set_kv_format, weight_bytes
 from qjax.train import data as qdata
 
 # The evaluation columns a conversion record repeats, when the row has them.
@@ -153,6 +154,7 @@ def quantize(ref: FloatReference, q, calib=None, options=None):
     (qmodel, report, calibration record, policy).
   """
   policy = make_policy(q)
+  check_exempt(ref.model, q.exempt)
   if q.method == 'rtn':
     return (*apply_method(ref.model, policy, 'rtn', None), policy)
   if calib is None:
@@ -163,6 +165,26 @@ def quantize(ref: FloatReference, q, calib=None, options=None):
   opts.update(sequential=calib.sequential, batch_size=calib.batch_size, source=source,
               seed=calib.seed)
   return (*apply_method(ref.model, policy, q.method, tokens, opts), policy)
+
+
+def check_exempt(model, exempt: str) -> None:
+  """Refuse a `quant.exempt` regex that keeps no layer float (a typo would quantize the very
+  layers it meant to protect, e.g. the embedding).
+
+  Raises:
+    ValueError: naming the pattern and the model's layer paths.
+  """
+  if not exempt:
+    return
+  try:
+    pattern = re.compile(exempt)
+  except re.error as e:
+    raise ValueError(f'quant.exempt={exempt!r} is not a valid regex ({e}).') from None
+  paths = [p for p, _ in einsum_layers(model)]
+  if not any(pattern.fullmatch(p) for p in paths):
+    raise ValueError(f'quant.exempt={exempt!r} matches no layer (re.fullmatch), so nothing '
+                     f'would stay float; layer paths are {paths[:4]}... (e.g. "embed|lm_head"), '
+                     "or pass --config.quant.exempt='' to quantize every layer.")
 
 
 def evaluate(ref: FloatReference, qmodel):
@@ -211,7 +233,9 @@ def quantize_and_evaluate(ref: FloatReference, q, out_dir: str, base_hash: str,
     ref: the float reference.
     q, calib, options: as for `quantize`.
     out_dir: where the quantized model and its conversion record go.
-    base_hash: sha256 of the float checkpoint (the record's base_checkpoint).
+    base_hash: the float checkpoint: its files' sha256, or a dict of facts about it
+      (`pipeline.trained_checkpoint`: sha256, content_sha256, step, finished, ...), recorded
+      as the record's base_checkpoint.
     reload_check: reload the saved model and require bit-identical logits.
     warm_repeat: quantize a second time and report that time too (the first includes XLA
       compiles; the second is the algorithm's own cost).
@@ -222,6 +246,9 @@ def quantize_and_evaluate(ref: FloatReference, q, out_dir: str, base_hash: str,
   Returns:
     The results row (name, ppl, logit/greedy/byte columns, timings, out_dir).
   """
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ValueError(f'out_dir {out_dir!r} exists and is a file; pass a directory path (new, '
+                     'or a previous output) or remove the file.')
   t0 = time.perf_counter()
   qmodel, report, calibration, policy = quantize(ref, q, calib, options)
   t_quant = time.perf_counter() - t0
@@ -252,7 +279,8 @@ def quantize_and_evaluate(ref: FloatReference, q, out_dir: str, base_hash: str,
     row.update(extra_metrics(qmodel, calibration))
   # ---- save + conversion record
   record = qckpt.conversion_record(
-      base_checkpoint={'sha256': base_hash, 'source': base_source},
+      base_checkpoint={**(base_hash if isinstance(base_hash, dict) else {'sha256': base_hash}),
+                       'source': base_source},
       tokenizer=ref.data.tokenizer.name, source_dtype=ref.model.config.param_dtype,
       layers=report.layers, group_size=q.group_size or None, granularity=q.granularity,
       method=q.method,

@@ -25,8 +25,8 @@ from qjax import eval as qeval
 from qjax import train as qtrain
 from qjax.nn import kv_format, with_kv_format
 from qjax.pipeline import ptq
-from qjax.pipeline.sweeps import apply_overrides
-from qjax.pipeline.training import load_trained
+from qjax.pipeline.sweeps import apply_overrides, base_key, point_keys
+from qjax.pipeline.training import load_trained, trained_checkpoint
 from qjax.train import data as qdata
 from qjax.train import distill as qdistill
 from qjax.train.optim import make_optimizer
@@ -104,14 +104,15 @@ def qat_point_name(c) -> str:
   return name + (f'-kv{kv_name(c)}' if kv_name(c) else '')
 
 
-def qat_point(ref: ptq.FloatReference, c, out_dir: str, base_hash: str, log=print) -> dict:
+def qat_point(ref: ptq.FloatReference, c, out_dir: str, base_hash, log=print) -> dict:
   """QAT (+ distillation) of `ref.model` per `c.quant` / `c.qat`; a row like a PTQ point's.
 
   Args:
     ref: the float reference (its model is the start and, for '+distill', the teacher).
     c: a `configs/qat_sweep.py` config with one point's overrides applied.
     out_dir: where the converted model and its record go (when `c.qat.save`).
-    base_hash: sha256 of the float checkpoint.
+    base_hash: sha256 of the float checkpoint, or a dict of facts about it (as for
+      `ptq.quantize_and_evaluate`).
     log: progress printer.
 
   Returns:
@@ -182,7 +183,8 @@ def _record(ref, q, qc, report, policy, base_hash, row, init_record=None) -> dic
                 else '; started from the float model, scales by RTN calibration') +
                (f'; PACT clips initialised at {qc.pact:g}' if qc.pact else ''))
   return qckpt.conversion_record(
-      base_checkpoint={'sha256': base_hash, 'source': 'experiments/train.py'},
+      base_checkpoint={**(base_hash if isinstance(base_hash, dict) else {'sha256': base_hash}),
+                       'source': 'experiments/train.py'},
       tokenizer=ref.data.tokenizer.name, source_dtype=ref.model.config.param_dtype,
       layers=report.layers, group_size=q.group_size or None, granularity=q.granularity,
       method=q.method,
@@ -238,10 +240,11 @@ def run_qat_sweep(config, points: list[dict], model=None, data=None, log=print) 
     [the float row] + one row per point with `recovered`; also writes results.jsonl,
     table.md, summary.json and ppl_vs_bytes.png under `config.out_dir`.
   """
+  allow = bool(config.get('allow_unfinished', False))
   if model is None:
-    model, _, data = load_trained(config.workdir)
+    model, _, data = load_trained(config.workdir, allow)
   ref = ptq.FloatReference(model, data, config.eval)
-  base_hash = ptq.base_checkpoint_hash(config.workdir)
+  base_hash = trained_checkpoint(config.workdir, allow)
   named = [(qat_point_name(apply_overrides(config, ov)), ov) for ov in points]
 
   def run_point(name, ov):
@@ -254,7 +257,7 @@ def run_qat_sweep(config, points: list[dict], model=None, data=None, log=print) 
     return qat_point(ref, c, out, base_hash, log)
 
   rows = qeval.run_sweep(named, run_point, os.path.join(config.out_dir, 'results.jsonl'),
-                         log=log)
+                         log=log, keys=point_keys(config, named, base_key(base_hash, ref)))
   float_row = ref.float_row()
   rows = [float_row] + recovered(rows, ref.ppl['ppl'])
   with open(os.path.join(config.out_dir, 'table.md'), 'w') as f:

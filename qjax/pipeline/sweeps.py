@@ -8,12 +8,17 @@ writes table.md and ppl_vs_bytes.png.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 
+from flax import nnx
+
+from qjax import checkpoints as qckpt
 from qjax import eval as qeval
 from qjax.pipeline import ptq
-from qjax.pipeline.training import load_trained
+from qjax.pipeline.training import load_trained, trained_checkpoint
 
 
 def load_sweep(config_path: str):
@@ -60,6 +65,28 @@ def sweep_point_name(config, overrides: dict) -> str:
   return ptq.point_name(apply_overrides(config, overrides).quant) + extra
 
 
+def point_config_sha256(config) -> str:
+  """sha256 of a point's resolved config, without where it reads and writes (workdir,
+  out_dir) and the switches that do not change a result."""
+  d = json.loads(config.to_json())
+  for k in ('workdir', 'out_dir', 'allow_unfinished'):
+    d.pop(k, None)
+  return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+def point_keys(config, named, base: str) -> dict[str, dict]:
+  """{point name: {'base': base content hash, 'config': point config hash}} (see run_sweep)."""
+  return {n: {'base': base, 'config': point_config_sha256(apply_overrides(config, ov))}
+          for n, ov in named}
+
+
+def base_key(base_hash, ref) -> str:
+  """The base model's identity in sweep keys: its content hash (reproducible across runs)."""
+  if isinstance(base_hash, dict) and base_hash.get('content_sha256'):
+    return base_hash['content_sha256']
+  return qckpt.content_sha256(nnx.state(ref.model))
+
+
 def run_ptq_sweep(config, points: list[dict], model=None, data=None, log=print, ref=None,
                   base_hash=None, base_source='experiments/train.py',
                   title='PTQ sweep', extra_metrics=None) -> list[dict]:
@@ -80,10 +107,11 @@ def run_ptq_sweep(config, points: list[dict], model=None, data=None, log=print, 
     [the float row] + one row per point (failed points carry status and error).
   """
   if ref is None:
+    allow = bool(config.get('allow_unfinished', False))
     if model is None:
-      model, _, data = load_trained(config.workdir)
+      model, _, data = load_trained(config.workdir, allow)
     ref = ptq.FloatReference(model, data, config.eval)
-    base_hash = ptq.base_checkpoint_hash(config.workdir)
+    base_hash = trained_checkpoint(config.workdir, allow)
   named = [(sweep_point_name(config, ov), ov) for ov in points]
 
   def run_point(name, ov):
@@ -95,7 +123,8 @@ def run_ptq_sweep(config, points: list[dict], model=None, data=None, log=print, 
         extra_metrics=extra_metrics)
 
   results_path = os.path.join(config.out_dir, 'results.jsonl')
-  rows = qeval.run_sweep(named, run_point, results_path, log=log)
+  rows = qeval.run_sweep(named, run_point, results_path, log=log,
+                         keys=point_keys(config, named, base_key(base_hash, ref)))
   float_row = ref.float_row()
   table = qeval.markdown_table([float_row] + rows)
   with open(os.path.join(config.out_dir, 'table.md'), 'w') as f:
