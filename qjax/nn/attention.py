@@ -8,11 +8,17 @@ A model may carry a KV format (`Attention.kv_fmt`, None by default; QAT sets it 
 forward, fake-quantized (straight-through) without a cache and quantized by a cache of that
 format, so the full forward (training, perplexity) computes what cached serving computes.
 `kv_format(model)` reads it, `with_kv_format(model, fmt)` sets it on a copy.
+
+Two exact implementations, chosen by `TransformerConfig.attention_impl`: `attend` (dense:
+the T x S logits at once) and `attend_blockwise` (FlashAttention's online softmax, Dao et al.
+2022, as a `lax.scan` over key blocks: a running max, normaliser and weighted sum per query,
+so temp memory is O(T * block) instead of O(T * S)). `online_attend` is the scan itself over
+any sequence of key blocks; a paged cache (`qjax.infer.PagedKVCache`) feeds it its pages.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +34,8 @@ from qjax.nn.rope import apply_rope
 
 # Finite, so a fully masked row (never produced by the model) gives a uniform softmax, not NaN.
 _MASKED = -1e30
+# Position of a key slot that holds nothing: later than every query, so the causal mask hides it.
+EMPTY_POSITION = 2 ** 30
 
 
 def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
@@ -75,6 +83,83 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_BT: ja
   return out_BTKGH.reshape(b, t, n, h).astype(q_BTNH.dtype)
 
 
+def online_attend(q_BTNH: jax.Array, blocks: Any, fetch: Callable, q_pos_BT: jax.Array, *,
+                  window: Optional[int] = None,
+                  logit_softcap: Optional[float] = None) -> jax.Array:
+  """Exact attention as an online softmax over key blocks (a `lax.scan` over `blocks`).
+
+  Args:
+    q_BTNH: queries (already scaled); N a multiple of K.
+    blocks: a pytree whose leaves have a leading axis of length num_blocks (scanned over).
+    fetch: one block's leaves -> (k_BPKH, v_BPKH, k_pos_BP), P keys of every row (B of the
+      positions may be 1); empty slots at `EMPTY_POSITION`.
+    q_pos_BT: query positions.
+    window: sliding window, or None.
+    logit_softcap: softcap of the attention logits, or None.
+
+  Returns:
+    out_BTNH in q's dtype, equal to `attend` over the concatenated blocks up to float
+    rounding (logits, running max and sums in float32).
+  """
+  b, t, n, h = q_BTNH.shape
+
+  def body(carry, block):
+    m_BKGT, l_BKGT, acc_BKGTH = carry
+    k_BPKH, v_BPKH, k_pos_BP = fetch(block)
+    k = k_BPKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
+    logits_BKGTP = jnp.einsum('BTKGH,BPKH->BKGTP', q_BTKGH, k_BPKH.astype(q_BTNH.dtype),
+                              preferred_element_type=jnp.float32)
+    logits_BKGTP = softcap(logits_BKGTP, logit_softcap)
+    mask_BTP = attention_mask(q_pos_BT, k_pos_BP, window)
+    logits_BKGTP = jnp.where(mask_BTP[:, None, None], logits_BKGTP, _MASKED)
+    m_new = jnp.maximum(m_BKGT, logits_BKGTP.max(-1))
+    # A block before the first unmasked key leaves m at _MASKED; the first real logit then
+    # rescales what it summed by exp(_MASKED - m) = 0, so only real keys remain.
+    p_BKGTP = jnp.exp(logits_BKGTP - m_new[..., None])
+    rescale = jnp.exp(m_BKGT - m_new)
+    l_BKGT = l_BKGT * rescale + p_BKGTP.sum(-1)
+    pv_BKGTH = jnp.einsum('BKGTP,BPKH->BKGTH', p_BKGTP.astype(q_BTNH.dtype),
+                          v_BPKH.astype(q_BTNH.dtype), preferred_element_type=jnp.float32)
+    return (m_new, l_BKGT, acc_BKGTH * rescale[..., None] + pv_BKGTH), None
+
+  k_abs = jax.eval_shape(fetch, jax.tree.map(lambda x: x[0], blocks))[0]
+  kh = k_abs.shape[2]
+  g = n // kh
+  init = (jnp.full((b, kh, g, t), _MASKED, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
+          jnp.zeros((b, kh, g, t, h), jnp.float32))
+  (_, l_BKGT, acc_BKGTH), _ = jax.lax.scan(body, init, blocks)
+  out_BKGTH = acc_BKGTH / l_BKGT[..., None]
+  return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_BTNH.dtype)
+
+
+def attend_blockwise(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                     q_pos_BT: jax.Array, k_pos_BS: jax.Array, *,
+                     window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                     block_size: int = 512) -> jax.Array:
+  """`attend` with O(T * block_size) temp memory: an online softmax over key blocks.
+
+  Args:
+    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, window, logit_softcap: as `attend`.
+    block_size: keys per block (S is padded to a multiple with empty slots).
+
+  Returns:
+    out_BTNH, equal to `attend` within float rounding.
+  """
+  b, s, kh, h = k_BSKH.shape
+  block = min(block_size, s)
+  pad = -s % block
+  k_pos_BS = jnp.broadcast_to(k_pos_BS, (k_pos_BS.shape[0], s))
+  if pad:
+    widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    k_BSKH, v_BSKH = widen(k_BSKH), widen(v_BSKH)
+    k_pos_BS = jnp.pad(k_pos_BS, ((0, 0), (0, pad)), constant_values=EMPTY_POSITION)
+  nb = (s + pad) // block
+  split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], nb, block, *x.shape[2:]), 1, 0)
+  return online_attend(q_BTNH, (split(k_BSKH), split(v_BSKH), split(k_pos_BS)),
+                       lambda kvp: kvp, q_pos_BT, window=window, logit_softcap=logit_softcap)
+
+
 class Attention(nnx.Module):
   """Self-attention of one layer: projections, optional qk norm, RoPE, cache, `attend`."""
 
@@ -110,6 +195,8 @@ class Attention(nnx.Module):
     self.rope_base = cfg.rope_base_for(layer)
     self.scale_q = cfg.scale_q
     self.logit_softcap = cfg.attn_logit_softcap
+    self.impl = cfg.attention_impl
+    self.block_size = cfg.attention_block
     # The KV cache format K/V pass through in every forward (module docstring), or None.
     self.kv_fmt: Optional[QFormat] = None
 
@@ -145,14 +232,23 @@ class Attention(nnx.Module):
   def core(self, q_BTNH, k_BTKH, v_BTKH, positions_BT, cache):
     """Write the new keys/values to the cache, read it back, attend: (out_BTNH, cache)."""
     k_BTKH, v_BTKH = kvcache.through_format(self.kv_fmt, k_BTKH, v_BTKH, cache)
+    kw = dict(window=self.window, logit_softcap=self.logit_softcap)
+    if cache is not None and not isinstance(cache, kvcache.KVCache):
+      # Another cache type (a paged cache) writes and attends over its own storage.
+      cache = kvcache.write(cache, self.layer, k_BTKH, v_BTKH, positions_BT)
+      return cache.attend(self.layer, q_BTNH, positions_BT, **kw), cache
     if cache is None:
       k_BSKH, v_BSKH, k_pos_BS = k_BTKH, v_BTKH, positions_BT
     else:
       cache = kvcache.write(cache, self.layer, k_BTKH, v_BTKH, positions_BT)
       k_BSKH, v_BSKH, k_pos_BS = kvcache.read(cache, self.layer)
-    out_BTNH = attend(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
-                      positions_BT, k_pos_BS, window=self.window,
-                      logit_softcap=self.logit_softcap)
+    k_BSKH, v_BSKH = k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype)
+    # Decode (T = 1) is O(S) either way; blockwise pays off where T is long.
+    if self.impl == 'blockwise' and q_BTNH.shape[1] > 1:
+      out_BTNH = attend_blockwise(q_BTNH, k_BSKH, v_BSKH, positions_BT, k_pos_BS,
+                                  block_size=self.block_size, **kw)
+    else:
+      out_BTNH = attend(q_BTNH, k_BSKH, v_BSKH, positions_BT, k_pos_BS, **kw)
     return out_BTNH, cache
 
 

@@ -19,6 +19,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 MLP_KINDS = ('swiglu', 'geglu')
+ATTENTION_IMPLS = ('dense', 'blockwise')
 _DTYPES = ('float32', 'bfloat16', 'float16')
 
 
@@ -52,6 +53,10 @@ class TransformerConfig:
     dtype: compute dtype name; softmax and norms run in float32 regardless.
     param_dtype: parameter dtype name.
     qkv_bias: learned biases on the q/k/v projections (Qwen2), added before qk norm and RoPE.
+    attention_impl: 'dense' (materialise the T x S logits) or 'blockwise' (exact online
+      softmax over key blocks of `attention_block` keys: temp memory O(T), not O(T * S));
+      used by cache-free forwards (perplexity) and by prefill against a contiguous cache.
+    attention_block: keys per block of the blockwise path.
   """
 
   vocab_size: int
@@ -79,6 +84,8 @@ class TransformerConfig:
   dtype: str = 'float32'
   param_dtype: str = 'float32'
   qkv_bias: bool = False
+  attention_impl: str = 'dense'
+  attention_block: int = 512
 
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads',
@@ -97,6 +104,12 @@ class TransformerConfig:
     if self.mlp not in MLP_KINDS:
       raise ValueError(f'TransformerConfig: mlp={self.mlp!r} is unknown; use one of '
                        f'{MLP_KINDS}.')
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f'TransformerConfig: attention_impl={self.attention_impl!r} is unknown; '
+                       f'use one of {ATTENTION_IMPLS}.')
+    if not isinstance(self.attention_block, int) or self.attention_block < 1:
+      raise ValueError(f'TransformerConfig: attention_block={self.attention_block!r} must be a '
+                       'positive integer (keys per block of blockwise attention).')
     for name in ('dtype', 'param_dtype'):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f'TransformerConfig: {name}={getattr(self, name)!r} is not a float '

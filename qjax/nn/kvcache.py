@@ -15,8 +15,18 @@ slot of its position, so attention under a sharded layout writes the rows it hol
 reading `length` (which `qjax.sharding` keeps replicated: positions are computed from it
 outside attention, where every shard wants them whole).
 
-Every layer keeps S slots, local ones too (a ring buffer of the window is a later
-optimisation; it changes only this module).
+Every layer keeps S slots, local ones too (`qjax.infer.PagedKVCache` keeps a ring of pages
+for local layers instead).
+
+Other cache types. `write` hands a cache that is not a `KVCache` to its own
+`cache.write(layer, k_BTKH, v_BTKH, positions_BT)`, and attention then calls
+`cache.attend(layer, q_BTNH, positions_BT, window=, logit_softcap=)`; that is the whole
+protocol a paged cache implements (it also has `k`, `v` and `qformat`, for `through_format`).
+
+Overflow. Writing past `max_len` would clamp onto the last slots and run on with plausible
+numbers, so `check_fits` (called by the model's forward once per step) raises: on the host
+when the lengths are concrete, and from inside `jit` (a host callback; the error surfaces as
+a `JaxRuntimeError` carrying the message) when they are traced.
 
 Quantized storage: `init_cache(..., fmt='int8')` (or 'int4', 'fp8', 'fp8_e5m2', or a
 `QFormat` with a scale per token and kv head) stores every layer's keys and values as a
@@ -120,11 +130,29 @@ def init_cache(config: TransformerConfig, batch: int, max_len: Optional[int] = N
   return KVCache(k=zeros(), v=zeros(), length=jnp.zeros((batch,), jnp.int32), qformat=fmt)
 
 
+def overflow_message(row: int, length: int, num_new: int, max_len: int,
+                     what: str = 'KV cache') -> str:
+  """The error text for a row whose `length + num_new` positions exceed `max_len`."""
+  return (f'{what}: sequence at row {row} has {length} cached + {num_new} new tokens exceed '
+          f'the cache max_len={max_len} ({length + num_new} > {max_len}); build a longer cache '
+          '(init_cache(..., max_len=)) or stop generating.')
+
+
+def _raise_if_overflow(length_B, num_new, max_len) -> None:
+  lengths = np.asarray(length_B)
+  over = np.nonzero(lengths + int(num_new) > int(max_len))[0]
+  if over.size:
+    row = int(over[0])
+    raise ValueError(overflow_message(row, int(lengths[row]), int(num_new), int(max_len)))
+
+
 def check_fits(cache: KVCache, num_new: int) -> None:
   """Raise if `num_new` more positions cannot fit in every row.
 
-  The lengths are checked where they are known in Python (not under jit, and only where this
-  process holds every row); `num_new` always is.
+  With concrete lengths the check runs here; with traced ones (inside `jit`) it runs on the
+  host when the step executes (`jax.debug.callback`), so an overflowing step raises instead
+  of overwriting the last slots. Where this process does not hold every row (multi-process),
+  only `num_new` is checked.
   """
   if cache.length.shape != (cache.batch,):
     raise ValueError(f'KV cache: length has shape {cache.length.shape}, but a cache of batch '
@@ -134,15 +162,12 @@ def check_fits(cache: KVCache, num_new: int) -> None:
     raise ValueError(f'KV cache: a prompt of {num_new} tokens is longer than the cache '
                      f'max_len={cache.max_len}; build the cache with init_cache(..., '
                      f'max_len>={num_new}) or shorten the prompt.')
-  if isinstance(cache.length, jax.core.Tracer) or not getattr(
-      cache.length, 'is_fully_addressable', True):
+  if isinstance(cache.length, jax.core.Tracer):
+    jax.debug.callback(_raise_if_overflow, cache.length, num_new, cache.max_len)
     return
-  lengths = np.asarray(cache.length)
-  row = int(np.argmax(lengths))
-  if int(lengths[row]) + num_new > cache.max_len:
-    raise ValueError(f'KV cache: row {row} has {int(lengths[row])} cached + {num_new} new '
-                     f'tokens exceed the cache max_len={cache.max_len}; build a longer cache '
-                     'or stop generating.')
+  if not getattr(cache.length, 'is_fully_addressable', True):
+    return
+  _raise_if_overflow(cache.length, num_new, cache.max_len)
 
 
 def check_format(fmt: Union[None, str, QFormat], head_dim: Optional[int] = None,
@@ -201,6 +226,8 @@ def write(cache: KVCache, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array,
   Returns:
     The cache with row b's T new entries at slots positions_BT[b, 0] onwards.
   """
+  if not isinstance(cache, KVCache):
+    return cache.write(layer, k_BTKH, v_BTKH, positions_BT)
   if positions_BT is None:
     positions_BT = next_positions(cache, k_BTKH.shape[1])
   start_B = positions_BT[:, 0].astype(jnp.int32)

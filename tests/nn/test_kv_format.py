@@ -122,3 +122,15 @@ def test_bad_kv_formats_are_clear_value_errors():
   m4.layers[1].attn.kv_fmt = None
   with pytest.raises(ValueError, match=r"different KV formats \['float', 'int4-ch012'\]"):
     kv_format(m4)
+
+
+def test_writing_past_the_cache_inside_jit_is_an_error():
+  """The jitted step raises (host callback) instead of clamping onto the last slots."""
+  model = Transformer(CFG, rngs=nnx.Rngs(0))
+  state, _, step = _forwards(model)
+  _, cache = step(state, _tokens(2, 6), init_cache(CFG, 2, 8))
+  logits, fits = step(state, _tokens(2, 2), cache)  # exactly full: fine
+  np.testing.assert_array_equal(fits.length, [8, 8])
+  with pytest.raises(Exception, match='row 0 has 8 cached \\+ 1 new tokens exceed the cache '
+                                      'max_len=8'):
+    jax.block_until_ready(step(state, _tokens(2, 1), fits))
