@@ -58,6 +58,13 @@ def mse_range(xv: jax.Array, axes, fmt: QFormat, num_ratios: int = 20,
   with the lowest mean squared reconstruction error (ratio 1 is always a candidate, so the
   result is never worse than absmax/minmax).
   """
+  if isinstance(num_ratios, bool) or not float(num_ratios).is_integer() or num_ratios < 2:
+    raise ValueError(f'mse_range: num_ratios={num_ratios!r} must be an integer >= 2 (the clip '
+                     'ratios tried; e.g. 20).')
+  if not 0.0 < min_ratio < 1.0:
+    raise ValueError(f'mse_range: min_ratio={min_ratio!r} must be in (0, 1) (the smallest '
+                     'fraction of the full range tried as a clip; e.g. 0.3).')
+  num_ratios = int(num_ratios)
   lo0, hi0 = absmax_range(xv, axes) if fmt.symmetric else minmax_range(xv, axes)
   best_err = best_lo = best_hi = None
   for r in jnp.linspace(min_ratio, 1.0, num_ratios):

@@ -14,11 +14,12 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qjax.core import calibration as calib
 from qjax.core import numerics
 from qjax.core.formats import FLOAT_KINDS, QFormat
-from qjax.core.qarray import RangeArg
+from qjax.core.qarray import RangeArg, check_input
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -69,12 +70,20 @@ def fake_quant(x: jax.Array, fmt: QFormat, calibration: RangeArg = None,
     Array of x's shape and dtype, equal to `dequantize(quantize(x, fmt))` when the scale is
     the calibrated one.
   """
+  check_input(x, 'fake_quant', fmt)
   if scale is None:
     if isinstance(calibration, tuple):
       lo, hi = calibration
+      numerics.check_range(lo, hi, f'fake_quant({fmt.name}, shape={x.shape})')
     else:
       lo, hi = calib.compute_range(jax.lax.stop_gradient(x), fmt, calibration)
     scale, zero_point = jax.lax.stop_gradient(numerics.scale_and_zero_point(lo, hi, fmt))
+    if numerics.is_concrete(scale):
+      # A NaN scale comes from a NaN input and is let through: the NaN propagates to the
+      # output, eagerly as under jit. An inf or zero scale from finite inputs is refused.
+      s = np.asarray(scale, np.float32)
+      numerics.check_scales(np.where(np.isnan(s), 1.0, s), fmt,
+                            f'fake_quant({fmt.name}, shape={x.shape})')
   elif fmt.symmetric:
     zero_point = None
   sshape = numerics.scale_shape(x.shape, fmt)

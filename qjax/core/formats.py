@@ -19,6 +19,7 @@ A `QFormat` is frozen and hashable, so it can be a static field of a pytree, a k
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional
 
 import jax.numpy as jnp
@@ -28,6 +29,8 @@ INT_BITS = (2, 3, 4, 5, 6, 8)
 FLOAT_KINDS = {'e4m3': jnp.float8_e4m3fn, 'e5m2': jnp.float8_e5m2}
 CALIBRATIONS = ('absmax', 'minmax', 'percentile', 'mse')
 _SCALE_DTYPES = ('float32', 'bfloat16', 'float16')
+MSE_MAX_GRID = 1000  # MSE calibration tries this many clip ratios at most
+_EXAMPLES = {'bits': 4, 'group_size': 128, 'group_axis': 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,16 @@ class QFormat:
 
   def __post_init__(self):
     object.__setattr__(self, 'channel_axes', tuple(int(a) for a in self.channel_axes))
+    # Integers only: 4.0 would pass `in INT_BITS` and 3.5 the range check, then fail (or
+    # silently truncate) deep inside the packing and the reshapes.
+    for name in ('bits', 'group_size', 'group_axis'):
+      v = getattr(self, name)
+      if v is None and name == 'group_size':
+        continue
+      if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ValueError(f'QFormat: {name}={v!r} must be an integer (got '
+                         f'{type(v).__name__}); e.g. {name}={_EXAMPLES[name]}.')
+      object.__setattr__(self, name, int(v))
     if self.kind == 'int':
       if self.bits not in INT_BITS:
         raise ValueError(
@@ -91,6 +104,13 @@ class QFormat:
       if p is None or not 50.0 < p <= 100.0:
         raise ValueError(f'QFormat: percentile calibration needs calibration_arg in (50, 100], '
                          f'got {p!r}; e.g. calibration_arg=99.9.')
+
+    if self.calibration == 'mse' and self.calibration_arg is not None:
+      n = self.calibration_arg
+      if isinstance(n, bool) or not float(n).is_integer() or not 2 <= n <= MSE_MAX_GRID:
+        raise ValueError(f'QFormat: mse calibration_arg={n!r} is the number of clip ratios '
+                         f'tried; it must be an integer in [2, {MSE_MAX_GRID}] (e.g. 20), or '
+                         'None for the default.')
 
   # ---- derived facts -------------------------------------------------------------------
   @property

@@ -101,19 +101,23 @@ def scale_and_zero_point(lo, hi, fmt: QFormat):
   """Scale (rounded to `fmt.scale_dtype`) and zero point for a per-scale range.
 
   An all-zero group (lo == hi == 0) gets scale 1 and zero point 0: its codes are 0 and it
-  dequantizes to exact zeros, never NaN. Elementwise: any layout of ranges works.
+  dequantizes to exact zeros, never NaN. A NaN range gives a NaN scale, so NaN propagates
+  under jit as it would be reported eagerly. Elementwise: any layout of ranges works.
+  Concrete callers check the result with `check_scales`.
   """
   sdt = jnp.dtype(fmt.scale_dtype)
   if fmt.symmetric:
     amax = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
     # Multiply by a host-side reciprocal: XLA may rewrite `/ const` that way under jit, and
     # eager and jitted scales must agree bit for bit (QAT == converted model).
-    scale = jnp.where(amax > 0, amax * (1.0 / fmt.qmax), 1.0)
+    # `== 0`, not `> 0`: a NaN range must give a NaN scale (the NaN propagates to every
+    # dequantized value of its tile), never scale 1 with the tile silently zeroed.
+    scale = jnp.where(amax == 0, 1.0, amax * (1.0 / fmt.qmax))
     zp = None
   else:
     lo, hi = jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0)  # keep 0 exactly representable
     span = hi - lo
-    scale = jnp.where(span > 0, span * (1.0 / (fmt.qmax - fmt.qmin)), 1.0)
+    scale = jnp.where(span == 0, 1.0, span * (1.0 / (fmt.qmax - fmt.qmin)))
   if fmt.pow2_scale:
     scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
   # Quantize with the scale as stored, so dequantize sees exactly what quantize used.
@@ -183,3 +187,56 @@ def check_finite(x, what: str, fix: str = _QUANTIZE_FIX) -> None:
     idx = tuple(int(i) for i in np.argwhere(bad)[0])
     raise ValueError(f'{what} holds {int(bad.sum())} NaN/Inf values (first at index {idx}); '
                      f'{fix}')
+
+
+def check_range(lo, hi, what: str) -> None:
+  """Raise if a concrete explicit range holds NaN/Inf or has hi < lo (named, first index)."""
+  if not (is_concrete(lo) and is_concrete(hi)):
+    return
+  lo, hi = np.asarray(lo, np.float32), np.asarray(hi, np.float32)
+  bad = ~(np.isfinite(lo) & np.isfinite(hi))
+  if bad.any():
+    i = tuple(int(j) for j in np.argwhere(bad)[0])
+    raise ValueError(f'{what}: the range ({lo[i]}, {hi[i]}) at scale index {i} is not finite '
+                     '(NaN/Inf); pass finite (lo, hi), e.g. from compute_range.')
+  bad = hi < lo
+  if bad.any():
+    i = tuple(int(j) for j in np.argwhere(bad)[0])
+    raise ValueError(f'{what}: the range has hi={hi[i]} < lo={lo[i]} at scale index {i}; '
+                     'pass (lo, hi) with lo <= hi.')
+
+
+def check_scales(scale, fmt: QFormat, what: str, span=None) -> None:
+  """Raise if concrete scales are not finite and > 0, naming the scale dtype.
+
+  A finite tensor can still overflow its scale (an asymmetric range of +-3e38 spans inf in
+  float32; 1e6 / 127 is inf in float16) or underflow it (1e-9 / 127 is 0 in float16): the
+  tensor would dequantize to NaN or zeros.
+
+  Args:
+    scale: the scales as stored (in `fmt.scale_dtype`).
+    fmt: the format.
+    what: the tensor, for the message.
+    span: optional |range| per scale (for the message).
+  """
+  if not is_concrete(scale):
+    return
+  s = np.asarray(scale, np.float32)
+  bad = ~(np.isfinite(s) & (s > 0))
+  if not bad.any():
+    return
+  i = tuple(int(j) for j in np.argwhere(bad)[0])
+  info = np.finfo(np.dtype(jnp.dtype(fmt.scale_dtype)))
+  rng = '' if span is None else f' for a range of {float(np.asarray(span, np.float32)[i]):.3g}'
+  if np.isnan(s[i]):
+    why = 'NaN (the range holds NaN)'
+  elif s[i] == 0:
+    why = f'0: it underflows {fmt.scale_dtype} (smallest normal {float(info.tiny):.3g})'
+  elif s[i] < 0:
+    why = f'{s[i]} (negative)'
+  else:
+    why = f'inf: it overflows {fmt.scale_dtype} (max {float(info.max):.3g})'
+  fix = ('Rescale or clip the tensor' if fmt.scale_dtype == 'float32' else
+         "Use scale_dtype='float32', or rescale or clip the tensor")
+  raise ValueError(f'{what}: {int(bad.sum())} scale(s) of {fmt.name} are not representable in '
+                   f'scale_dtype {fmt.scale_dtype}; the one at index {i} is {why}{rng}. {fix}.')

@@ -271,6 +271,24 @@ def from_codes(codes: jax.Array, scale: jax.Array, zero_point: Optional[jax.Arra
 RangeArg = Union[None, str, tuple[Any, Any]]
 
 
+def check_input(x, what: str, fmt: QFormat) -> None:
+  """The dtype/shape checks every quantizer applies to its input (`quantize`, `fake_quant`).
+
+  Raises:
+    ValueError: not a floating array, a scalar, or an empty array (named with its shape).
+  """
+  dtype = getattr(x, 'dtype', None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f'{what}({fmt.name}): expected a floating tensor, got dtype {dtype}; cast '
+                     'it with .astype(jnp.float32) first (integer inputs are not values to '
+                     'quantize).')
+  if x.ndim == 0:
+    raise ValueError(f'{what}({fmt.name}): got a scalar; quantize tensors of rank >= 1.')
+  if x.size == 0:
+    raise ValueError(f'{what}({fmt.name}): got an empty tensor of shape {tuple(x.shape)}; '
+                     'there is no range to calibrate: skip it.')
+
+
 def quantize(x: jax.Array, fmt: QFormat, calibration: RangeArg = None) -> QArray:
   """Quantize `x` to `fmt`.
 
@@ -283,11 +301,7 @@ def quantize(x: jax.Array, fmt: QFormat, calibration: RangeArg = None) -> QArray
   Returns:
     A QArray with `dequantize(q) ~= x`.
   """
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f'quantize: expected a floating tensor, got dtype {x.dtype}; cast it with '
-                     '.astype(jnp.float32) first.')
-  if x.ndim == 0:
-    raise ValueError('quantize: got a scalar; quantize tensors of rank >= 1.')
+  check_input(x, 'quantize', fmt)
   numerics.check_finite(x, f'quantize({fmt.name}, shape={x.shape}): the tensor')
   sshape = numerics.scale_shape(x.shape, fmt)
   if isinstance(calibration, tuple):
@@ -296,9 +310,13 @@ def quantize(x: jax.Array, fmt: QFormat, calibration: RangeArg = None) -> QArray
       raise ValueError(f'quantize({fmt.name}): a range for shape {tuple(x.shape)} must have the '
                        f'scale shape {sshape}, got {np.shape(lo)} and {np.shape(hi)} (use '
                        'compute_range, which returns ranges in that layout).')
+    numerics.check_range(lo, hi, f'quantize({fmt.name}, shape={x.shape})')
   else:
     lo, hi = calib.compute_range(x, fmt, calibration)
   scale, zp = numerics.scale_and_zero_point(lo, hi, fmt)
+  if numerics.is_concrete(scale):
+    numerics.check_scales(scale, fmt, f'quantize({fmt.name}, shape={x.shape})',
+                          np.maximum(np.abs(np.asarray(lo)), np.abs(np.asarray(hi))))
   xv = numerics.tiled(x.astype(jnp.float32), sshape)
   z = None if zp is None else numerics.expand(zp)
   codes = numerics.to_codes(xv, numerics.expand(scale), z, fmt).reshape(x.shape)

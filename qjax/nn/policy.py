@@ -29,6 +29,7 @@ import jax
 from flax import nnx
 
 from qjax.core import QFormat, check_finite, choose_path, nbytes, quantize
+from qjax.core.numerics import check_scales
 from qjax.core.qarray import RangeArg
 from qjax.core.qdot import PATHS
 from qjax.nn.layers import Einsum, QWeight, parse_spec
@@ -177,7 +178,10 @@ def _quantize_weight(w, fmt: QFormat, cal, path: str):
                'fix the checkpoint or exempt the layer.')
   if isinstance(cal, tuple):  # a precomputed range: arrays, not a static method name
     return quantize(w, fmt, cal)
-  return _quantize_jit(w, fmt, cal)
+  q = _quantize_jit(w, fmt, cal)
+  # Under jit the scales are not checked: check them here, once per layer.
+  check_scales(q.scale, fmt, f'quantize_model: the weight of layer {path!r}')
+  return q
 
 
 def _float_bytes(layer: Einsum) -> int:
