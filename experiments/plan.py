@@ -171,8 +171,15 @@ def main(argv):
     costmodel.get_model(cfg.model), costmodel.get_chip(cfg.chip), _layouts(cfg)
     _workload(cfg.prefill), _workload(cfg.decode)
     costmodel.Efficiency(**cfg.efficiency.to_dict())
-    if cfg.mesh:
-      costmodel.as_mesh(cfg.mesh)
+    if isinstance(cfg.n_chips, bool) or not isinstance(cfg.n_chips, int) or cfg.n_chips < 1:
+      raise ValueError(f'--config.n_chips={cfg.n_chips!r} must be a positive integer.')
+    if cfg.mesh and costmodel.as_mesh(cfg.mesh).n != cfg.n_chips:
+      raise ValueError(f'--config.mesh={cfg.mesh!r} has {costmodel.as_mesh(cfg.mesh).n} chips '
+                       f'but --config.n_chips={cfg.n_chips}; make their product n_chips or '
+                       'drop the mesh.')
+    if cfg.interconnect not in costmodel.INTERCONNECTS:
+      raise ValueError(f'--config.interconnect={cfg.interconnect!r} is unknown; use one of '
+                       f'{list(costmodel.INTERCONNECTS)}.')
   except ValueError as e:
     raise app.UsageError(f'Bad config: {e}') from None
   out_dir = cfg.out_dir or os.path.join('results', 'plan', cfg.name)

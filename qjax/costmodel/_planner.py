@@ -8,6 +8,7 @@ import math
 from typing import Optional, Sequence
 
 from qjax.costmodel import _chips
+from qjax.costmodel import _collectives
 from qjax.costmodel import _layouts
 from qjax.costmodel import _models
 from qjax.costmodel import _names
@@ -117,6 +118,19 @@ def plan(model, chip, workload: _roofline.Workload, n_chips, phase: str = 'decod
   if objective not in OBJECTIVES:
     raise _names.unknown_name('objective', objective, OBJECTIVES)
   counts = [n_chips] if isinstance(n_chips, int) else list(n_chips)
+  for n in counts:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f'plan: n_chips={n!r} must be a positive integer (the chips to plan '
+                       'for); e.g. n_chips=8.')
+  if interconnect not in _collectives.INTERCONNECTS:  # before the search, not per candidate
+    raise _names.unknown_name('interconnect model', interconnect, _collectives.INTERCONNECTS)
+  if meshes is not None:
+    for m in meshes:
+      if _layouts.as_mesh(m).n not in counts:
+        raise ValueError(f'plan: mesh {m!r} has {_layouts.as_mesh(m).n} chips, but n_chips is '
+                         f'{n_chips}; give a mesh whose axes multiply to n_chips (e.g. '
+                         f'{"x".join(map(str, (counts[0], 1, 1)))}), or drop the mesh to '
+                         'search every factorization.')
   message = _too_large(model, chip, workload, counts)
   if message:
     raise ValueError(message)

@@ -40,8 +40,14 @@ def load_text(source: str) -> str:
   if not os.path.isfile(source):
     raise ValueError(f'data source {source!r} is neither {EMBEDDED!r} nor an existing file; '
                      'pass --config.data.source=/path/to/text.txt or the embedded default.')
-  with open(source, encoding='utf-8', errors='replace') as f:
-    return f.read()
+  with open(source, 'rb') as f:
+    raw = f.read()
+  try:
+    return raw.decode('utf-8')  # strict: a binary file is an error, not mojibake to train on
+  except UnicodeDecodeError as e:
+    raise ValueError(f'data source {source!r} is not UTF-8 text (byte {e.start} is '
+                     f'{raw[e.start:e.start + 1]!r}: {e.reason}); pass a UTF-8 text file, not a '
+                     'binary one.') from None
 
 
 @dataclasses.dataclass
@@ -70,6 +76,10 @@ def load_data(source: str, seq_len: int, valid_fraction: float = 0.1) -> TextDat
   Returns:
     TextData.
   """
+  if isinstance(valid_fraction, bool) or not isinstance(valid_fraction, (int, float)) or not (
+      0.0 < valid_fraction < 1.0):
+    raise ValueError(f'--config.data.valid_fraction={valid_fraction!r} must be in (0, 1) (the '
+                     'held-out tail of the text); e.g. 0.1.')
   text = load_text(source)
   tok = ByteTokenizer()
   ids = tok.encode(text)
