@@ -204,6 +204,7 @@ def load_gguf(path: os.PathLike, *, param_dtype: str = 'float32', cache: bool = 
   if cache and entry.is_file():
     try:
       params = param_cache.LazyParams(entry)
+      param_cache.verify_params(params, str(entry))
       cfg = TransformerConfig(**dict(params.metadata['config'], param_dtype=param_dtype))
       model = model_from_params(cfg, params, source=f'cache {entry}')
       return model, dict(sha256=sha, config=cfg, tensor_types=params.metadata['tensor_types'],

@@ -16,7 +16,7 @@ from typing import Iterator, Mapping, Optional
 
 import numpy as np
 
-from qjax.checkpoints.records import file_sha256
+from qjax.checkpoints.records import content_sha256, file_sha256
 
 CONVERSION_VERSION = 'v1'  # bump when a conversion's output changes
 
@@ -43,14 +43,36 @@ def sha256_of(path: os.PathLike) -> str:
   return _sha256(os.path.abspath(path), st.st_size, st.st_mtime_ns)
 
 
+def params_sha256(params: Mapping[str, np.ndarray]) -> str:
+  """Content hash of a {name: array} mapping (names, dtypes, shapes, bytes)."""
+  return content_sha256({k: np.asarray(params[k]) for k in sorted(params)})
+
+
 def save_params(path: pathlib.Path, params: Mapping[str, np.ndarray], metadata: dict) -> None:
-  """Write params as safetensors with JSON-encoded metadata, atomically."""
+  """Write params as safetensors with JSON-encoded metadata and their content hash
+  ('content_sha256', checked by `verify_params`), atomically."""
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_suffix(f'.tmp{os.getpid()}')
-  save_file({k: np.ascontiguousarray(v) for k, v in params.items()}, str(tmp),
-            metadata={k: json.dumps(v) for k, v in metadata.items()})
+  arrays = {k: np.ascontiguousarray(v) for k, v in params.items()}
+  metadata = dict(metadata, content_sha256=params_sha256(arrays))
+  save_file(arrays, str(tmp), metadata={k: json.dumps(v) for k, v in metadata.items()})
   os.replace(tmp, path)
+
+
+def verify_params(params: 'LazyParams', where: str) -> None:
+  """Raise ValueError unless a cache entry's arrays match the content hash it was saved with.
+
+  The entry's name (the source's sha256) says what it should hold; this proves it does.
+  """
+  want = params.metadata.get('content_sha256')
+  if want is None:
+    raise ValueError(f'{where}: the cache entry has no content_sha256 (written by an older '
+                     'qjax); it is rebuilt.')
+  got = params_sha256(params)
+  if got != want:
+    raise ValueError(f'{where}: the cache entry\'s arrays hash to {got[:16]}..., not the '
+                     f'{want[:16]}... they were saved with: the entry is corrupted.')
 
 
 class LazyParams(Mapping):

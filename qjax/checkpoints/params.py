@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from qjax.core.numerics import check_finite
 from qjax.nn import Transformer, TransformerConfig
 
 
@@ -50,7 +51,7 @@ def model_from_params(cfg: TransformerConfig, params: Mapping[str, np.ndarray], 
     The model.
 
   Raises:
-    ValueError: a parameter is missing, unexpected, or has the wrong shape.
+    ValueError: a parameter is missing, unexpected, has the wrong shape, or holds NaN/Inf.
   """
   graphdef, state = nnx.split(_abstract(cfg))
   flat = nnx.to_flat_state(state)
@@ -66,11 +67,16 @@ def model_from_params(cfg: TransformerConfig, params: Mapping[str, np.ndarray], 
   for path, var in flat:
     key = _key(path)
     want = tuple(var.get_value().shape)
-    got = tuple(np.shape(params[key]))
+    value = params[key]  # read once: a lazy mapping reads the file on every access
+    got = tuple(np.shape(value))
     if got != want:
       raise ValueError(f'{source}: parameter {key!r} has shape {got}, the model config '
                        f'implies {want}; the checkpoint does not match its config.')
-    var.set_value(jnp.asarray(params[key], dtype))
+    # NaN/Inf weights would give NaN logits far from their cause: refuse them on load.
+    check_finite(value, f'{source}: parameter {key!r}',
+                 'the checkpoint is corrupted or was saved after a diverged run; use another '
+                 'copy of it.')
+    var.set_value(jnp.asarray(value, dtype))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

@@ -142,15 +142,23 @@ def load_safetensors(directory: os.PathLike, *, param_dtype: str = 'float32',
     raise ValueError(f'{directory!r} must hold config.json and *.safetensors (a HF '
                      '`save_pretrained` directory); found '
                      f'{sorted(os.listdir(directory)) if os.path.isdir(directory) else "nothing"}.')
-  with open(cfg_path) as fh:
-    hf = json.load(fh)
+  try:
+    with open(cfg_path, encoding='utf-8') as fh:
+      hf = json.load(fh)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f'{cfg_path}: not valid JSON ({e}); the config.json is truncated or '
+                     'corrupted: download it again.') from None
   cfg = hf_config(hf, param_dtype)
   if max_len is not None:
     cfg = cfg.replace(max_len=max_len)
   expected = hf_shapes(cfg)
   handles, tied_head = {}, None
   for path in files:
-    fh = safe_open(path, framework='flax')
+    try:
+      fh = safe_open(path, framework='flax')
+    except Exception as e:  # pylint: disable=broad-except  (SafetensorError is not exported)
+      raise ValueError(f'{path}: not a readable safetensors file ({type(e).__name__}: {e}); '
+                       'it is truncated or corrupted: download it again.') from None
     for name in fh.keys():
       if name.endswith(_IGNORED_SUFFIXES):
         continue
