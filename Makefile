@@ -13,9 +13,11 @@ $(BIN)/python:
 
 install: $(BIN)/python
 	$(BIN)/pip install -q -e .
+	-$(BIN)/python -m qjax.kernels.build
 
 install-test: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
+	-$(BIN)/python -m qjax.kernels.build
 
 demo: install
 	XLA_FLAGS= $(BIN)/python -m experiments.demo --config=configs/demo.py

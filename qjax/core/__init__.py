@@ -10,10 +10,12 @@ __all__ = [
     "pack", "packed_length", "percentile_range", "qdot", "qeinsum", "quantize", "range_for",
     "round_ste", "scale_and_zero_point", "scale_shape", "sqnr_db", "tile_shape", "tiled",
     "unpack",
+    "float_einsum",  # qjax.core.decode_paths
 ]
 
 from qjax.core.calibration import (absmax_range, compute_range, max_abs_error, minmax_range, mse,
                                    mse_range, percentile_range, sqnr_db)
+from qjax.core.decode_paths import float_einsum
 from qjax.core.fake_quant import fake_quant, fake_quant_view, round_ste
 from qjax.core.formats import QFormat, fp8_format, int_format
 from qjax.core.learned import (conversion_range, init_learned, learned_fake_quant,

@@ -29,10 +29,17 @@ Compute paths (`path=`):
 * `'fp8'`: activations quantized per token to the weight's fp8 kind, fp8 x fp8 products with
   f32 accumulation (tiled on CPU: fp8 values are exact in bf16).
 
+* `'kernel'` (CPU, optional): the jax.ffi kernel of `qjax.kernels` (int8 / packed int4,
+  symmetric; `qjax.core.decode_paths`): weight-only semantics, f32 accumulation, each 64-code
+  slice widened in registers, no float weight anywhere. Raises where it cannot run.
+
 `path='auto'` picks: the activation format's path if one is given (`'int8'` / `'fp8'`);
 otherwise `'tiled'` on CPU for every weight format and `'dequant'` elsewhere. The choice is a
 function of (format, backend) only, so it is recorded in conversion records via
-`choose_path`.
+`choose_path`. Within `'tiled'` on CPU, `auto` runs decode shapes (M <= 16 rows) on the
+kernel when `qjax.kernels.available()` (same weight-only numerics, summation order aside),
+and the tied-head layout ('BTD,VD->BTV', weight (V, D)), which row tiles cannot express, as
+blocks of V rows (`decode_paths.vblocked_einsum`) instead of a dequantized 671 MB head.
 
 Why, on XLA:CPU (2-core AMD EPYC, 4096x4096 weight, time / f32 time, measured side by side
 by benchmarks/qdot_bench.py under a noisy load of 3-12):
@@ -49,27 +56,30 @@ by benchmarks/qdot_bench.py under a noisy load of 3-12):
   / 0.35-0.8x; int4 g128 0.9-1.4x / 0.6-1.1x / 0.4-0.85x; W8A8 1.05-1.5x / 0.42-0.56x /
   0.32-0.46x. Tiles of 128-512 rows measured alike; bf16 tiles at M = 1 (padded to 2 rows)
   were slower than f32 tiles.
-* Specs the tiled form cannot express (batch axes shared by x, w and out; weight axes not
-  ordered contracted-then-kept; groups not on the last contracted axis; a scale per weight
-  element) fall back to the whole-operand implementations ('dequant' for 'tiled').
+* Specs the tiled forms cannot express (batch axes shared by x, w and out; weight axes not
+  ordered contracted-then-kept, other than the head layout; groups not on the last contracted
+  axis; a scale per weight element) fall back to the whole-operand implementations
+  ('dequant' for 'tiled').
+* Decode shapes (docs/readme/fast_decode.md has the measurements): XLA offers no fused
+  int->float dot, so M <= 16 rows go to the kernel, which reads the codes once.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import string
 from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from qjax.core import packing
-from qjax.core.formats import FLOAT_KINDS, QFormat
+from qjax import kernels
+from qjax.core import decode_paths
+from qjax.core import tiled_path as tiled
+from qjax.core.formats import QFormat
 from qjax.core.qarray import QArray, QType, dequantize
+from qjax.core.tiled_path import parse_spec  # re-exported: the project's one spec parser
 
-PATHS = ('auto', 'dequant', 'tiled', 'int8', 'fp8')
+PATHS = ('auto', 'dequant', 'tiled', 'kernel', 'int8', 'fp8')
 INT8_ACT = QFormat(bits=8)
 
 
@@ -88,33 +98,8 @@ def choose_path(w_fmt: Union[QFormat, QType], act_fmt: Optional[QFormat] = None,
   return 'dequant'
 
 
-def parse_spec(spec: str) -> tuple[str, str, str]:
-  """'BTD,DNH->BTNH' -> ('BTD', 'DNH', 'BTNH'): two operands, explicit output, no ellipsis."""
-  try:
-    ins, out = spec.replace(' ', '').split('->')
-    xs, ws = ins.split(',')
-  except ValueError:
-    raise ValueError(f"qeinsum: spec {spec!r} must look like 'BTD,DF->BTF' (two operands, "
-                     'explicit output, no ellipsis).') from None
-  if '.' in spec:
-    raise ValueError(f'qeinsum: spec {spec!r} uses an ellipsis; spell out every axis.')
-  return xs, ws, out
-
-
 def _fresh_letter(used: str) -> str:
   return next(c for c in string.ascii_letters if c not in used)
-
-
-def _quantize_rows(x, reduce_axes, act_kind):
-  """Symmetric per-row quantization of activations (rows = all non-reduced axes)."""
-  amax = jnp.max(jnp.abs(x), axis=reduce_axes, keepdims=True)
-  if act_kind == 'int':
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
-  dt = FLOAT_KINDS[act_kind]
-  fmax = float(jnp.finfo(dt).max)
-  scale = jnp.where(amax > 0, amax / fmax, 1.0)
-  return jnp.clip(x / scale, -fmax, fmax).astype(dt), scale
 
 
 def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
@@ -129,14 +114,26 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
     act_fmt: activation format for W8A8 / fp8 x fp8 (only its kind matters: activations are
       always quantized dynamically, symmetric, per token and weight group), or None for
       weight-only.
-    path: 'auto', 'dequant', 'tiled', 'int8' or 'fp8' (see the module docstring).
+    path: 'auto', 'dequant', 'tiled', 'kernel', 'int8' or 'fp8' (see the module docstring).
     out_dtype: result dtype (default: x's dtype).
 
   Returns:
     The einsum result, `out_dtype`.
+
+  Raises:
+    ValueError: integer activations (or a non-float plain weight), an unknown path, a spec
+      that does not fit the operands, or a path that cannot multiply this weight.
   """
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    # An integer x would make the einsum integer and truncate the result to x's dtype.
+    raise ValueError(f'qeinsum: activations x have dtype {x.dtype}, not a float dtype; cast '
+                     'them first (x.astype(jnp.float32)). Integer inputs belong to '
+                     "act_fmt=int_format(8) / path='int8', which quantizes float activations.")
   out_dtype = out_dtype or x.dtype
   if not isinstance(w, QArray):
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+      raise ValueError(f'qeinsum: a plain weight of dtype {w.dtype} is not float; quantize it '
+                       '(qjax.quantize) or cast it to a float dtype.')
     return jnp.einsum(spec, x, w.astype(x.dtype)).astype(out_dtype)
   if path not in PATHS:
     raise ValueError(f'qeinsum: path={path!r} is unknown; use one of {PATHS}.')
@@ -145,20 +142,35 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
     raise ValueError(f'qeinsum: spec {spec!r} has operands of rank {len(xs)} and {len(ws)} but '
                      f'got x{tuple(x.shape)} and w{w.shape}.')
   qt = w.qtype
-  if path == 'auto':
+  auto = path == 'auto'
+  if auto:
     path = choose_path(qt, act_fmt)
+  if path == 'kernel':
+    y = decode_paths.kernel_einsum(xs, ws, out, x, w, out_dtype, max_rows=2**31)
+    if y is None:
+      raise ValueError(f"qeinsum: path='kernel' cannot run {spec!r} with {w.layout_name}: the "
+                       f'CPU kernel is {kernels.status()}, and it takes symmetric int8 / int4 '
+                       "weights in the (contracted..., kept...) or (V, D) head layout; use "
+                       "path='auto'.")
+    return y
   if path == 'tiled':
-    y = _tiled_einsum(xs, ws, out, x, w, None, out_dtype)
+    if auto and jax.default_backend() == 'cpu':
+      y = decode_paths.kernel_einsum(xs, ws, out, x, w, out_dtype)  # decode shapes
+      if y is not None:
+        return y
+    y = tiled.tiled_einsum(xs, ws, out, x, w, None, out_dtype)
+    if y is None:
+      y = decode_paths.vblocked_einsum(xs, ws, out, x, w, out_dtype)
     if y is not None:
       return y
-    path = 'dequant'  # a spec the tiled form cannot express
+    path = 'dequant'  # a spec neither tiled form can express
   if path == 'dequant':
     return jnp.einsum(spec, x, dequantize(w, x.dtype)).astype(out_dtype)
   if path == 'int8' and qt.is_float or path == 'fp8' and not qt.is_float:
     raise ValueError(f'qeinsum: path={path!r} cannot multiply {qt.name} weights; use '
                      f"path='{'fp8' if qt.is_float else 'int8'}' or 'dequant'.")
   if jax.default_backend() == 'cpu':
-    y = _tiled_einsum(xs, ws, out, x, w, 'int' if path == 'int8' else qt.kind, out_dtype)
+    y = tiled.tiled_einsum(xs, ws, out, x, w, 'int' if path == 'int8' else qt.kind, out_dtype)
     if y is not None:
       return y
   return _integer_like_einsum(xs, ws, out, x, w, path, out_dtype)
@@ -199,7 +211,7 @@ def _integer_like_einsum(xs, ws, out, x, w: QArray, path, out_dtype):
 
   x_reduce = tuple(i for i, c in enumerate(xv) if c in contracted)
   act_kind = 'int' if path == 'int8' else w.qtype.kind
-  xq, xscale = _quantize_rows(x.astype(jnp.float32), x_reduce, act_kind)
+  xq, xscale = tiled.quantize_rows(x.astype(jnp.float32), x_reduce, act_kind)
   acc_dtype = jnp.int32 if path == 'int8' else jnp.float32
   acc = jnp.einsum(f'{xv},{wv}->{acc_l}', xq, codes, preferred_element_type=acc_dtype)
   acc = acc.astype(jnp.float32)
@@ -216,239 +228,6 @@ def _integer_like_einsum(xs, ws, out, x, w: QArray, path, out_dtype):
   if pad_axis is not None:
     y = jax.lax.slice_in_dim(y, 0, 1, axis=out.index(xv[pad_axis]))
   return y.astype(out_dtype)
-
-
-# ---- the tiled CPU path: a plan, a per-tile product, an epilogue ------------------------------
-_TILE_ELEMENTS = 2**20  # weight elements per tile: 2 MiB in bf16, 4 MiB in f32 (cache-sized)
-_MIN_TILE_ROWS = 64     # fewer rows per tile cost more in loop overhead than they save
-_EXACT = 2**24          # integers below this add exactly in an f32 accumulator
-
-
-@dataclasses.dataclass(frozen=True)
-class TilePlan:
-  """How `qeinsum` runs as a loop over row tiles: x2 (M, K) @ w2 (K, N), N = kept axes.
-
-  Attributes:
-    a: number of contracted weight axes (they come first in the weight).
-    x_only: activation letters that are neither contracted nor in the weight (rows, M).
-    m_shape: their sizes; m = prod(m_shape).
-    k: contracted elements K.
-    kept_shape: the weight's kept (output) axes; n = prod(kept_shape).
-    unit: K rows per scale row (whole groups); kq = K / unit scale rows, or kq = 1 when the
-      scales are constant along K.
-    kq: scale rows along K.
-    kt: K rows per tile.
-    act_kind: None (weight-only), 'int' or an fp8 kind (activations quantized per token, and
-      per group when scales vary along K).
-    grouped: activation scales per group: one group per tile, scaled inside the loop.
-  """
-
-  a: int
-  x_only: tuple
-  m_shape: tuple
-  k: int
-  kept_shape: tuple
-  unit: int
-  kq: int
-  kt: int
-  act_kind: Optional[str]
-  grouped: bool
-
-  @property
-  def m(self) -> int:
-    return math.prod(self.m_shape)
-
-  @property
-  def n(self) -> int:
-    return math.prod(self.kept_shape)
-
-  @property
-  def fold(self) -> bool:
-    """Scales vary along K: applied to each tile before its dot (else once, after the loop)."""
-    return self.kq > 1
-
-
-def _canonical(xs, ws, out) -> Optional[int]:
-  """Whether the spec is x2 (M, K) @ w2 (K, N) with w's axes (contracted..., kept...).
-
-  That is: no batch axes, no repeated letters, no axis summed out of one operand alone, and the
-  weight's contracted axes come first, so (K, N) is a free reshape of its storage and the
-  packed last axis is a kept one. Returns the number of contracted weight axes, or None.
-  """
-  if len(set(xs)) != len(xs) or len(set(ws)) != len(ws) or len(set(out)) != len(out):
-    return None
-  a = sum(c in xs for c in ws)
-  contracted, kept = ws[:a], ws[a:]
-  if not a or not kept or any(c in xs or c not in out for c in kept):
-    return None
-  if any(c in out for c in contracted) or any(c not in ws and c not in out for c in xs):
-    return None
-  return a
-
-
-def plan_tiles(xs, ws, out, x_shape, w: QArray, act_kind) -> Optional[TilePlan]:
-  """The tile plan of `qeinsum` on CPU, or None for a spec / scale layout it cannot express."""
-  a = _canonical(xs, ws, out)
-  if a is None:
-    return None
-  shape, tiles, sshape = w.shape, w.tile_shape, w.scale.shape
-  if any(1 < t < d for t, d in zip(tiles[a:], shape[a:])):
-    return None  # scales cut a kept axis into groups
-  if any(t not in (1, d) for t, d in zip(tiles[:a - 1], shape[:a - 1])):
-    return None  # groups must run along the last contracted axis: contiguous along K
-  k = math.prod(shape[:a])
-  kept_shape = tuple(shape[a:])
-  n = math.prod(kept_shape)
-  if all(d == 1 for d in sshape[:a]):
-    unit, kq = k, 1
-  else:
-    unit = tiles[a - 1]
-    kq = k // unit
-  if unit == 1 and all(d == t for d, t in zip(sshape[a:], kept_shape)):
-    return None  # a scale per element: nothing to tile over
-  grouped = kq > 1 and 1 < tiles[a - 1] < shape[a - 1]
-  if act_kind is not None and kq > 1 and not grouped:
-    return None  # a scale along K (not by group) cannot follow a quantized-activation dot
-  x_only = tuple(c for c in xs if c not in ws)
-  m_shape = tuple(x_shape[xs.index(c)] for c in x_only)
-  # Tile rows: ~_TILE_ELEMENTS per tile in whole groups; one group per tile when activation
-  # scales are per group; few enough rows that integer partial sums are exact in f32.
-  if act_kind is not None and grouped:
-    kt = unit
-  else:
-    # At most ~1/8 of the weight per tile, so no tile is a float copy of the whole weight.
-    rows = max(_MIN_TILE_ROWS, min(_TILE_ELEMENTS // n, k // 8))
-    step = unit if kq > 1 else 1
-    kt = min(k, step * max(1, rows // step))
-  if act_kind == 'int':
-    step = unit if kq > 1 else 1
-    bound = _EXACT // (127 * 2**(w.qtype.bits - 1)) // step * step
-    if kt > bound:
-      if bound < step:
-        return None
-      kt = bound
-  return TilePlan(a, x_only, m_shape, k, kept_shape, unit, kq, kt, act_kind, grouped)
-
-
-def _per_k(arr, w: QArray, plan: TilePlan):
-  """A scale-shaped array as (kq, kept scale dims...) in f32."""
-  if arr is None:
-    return None
-  v = arr.astype(jnp.float32)
-  a = plan.a
-  if plan.kq == 1:
-    return v.reshape((1,) + v.shape[a:])
-  v = jnp.broadcast_to(v, tuple(w.shape[:a - 1]) + v.shape[a - 1:])
-  return v.reshape((-1,) + v.shape[a:])
-
-
-def _fields(arr, per, nf, kept_shape):
-  """(kq, kept...) -> `per` arrays (kq, Nf) matching the packed fields of the last axis."""
-  if arr is None:
-    return [None] * per
-  kq = arr.shape[0]
-  if all(d == 1 for d in arr.shape[1:]):
-    return [arr.reshape(kq, 1)] * per
-  arr = jnp.broadcast_to(arr, (kq,) + tuple(kept_shape))
-  pad = per * nf - kept_shape[-1]
-  if pad:
-    arr = jnp.pad(arr, [(0, 0)] * (arr.ndim - 1) + [(0, pad)], constant_values=1.0)
-  return [arr[..., j::per].reshape(kq, -1) for j in range(per)]
-
-
-def _tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
-  """`qeinsum` on CPU as a loop over row tiles of the weight (module docstring)."""
-  plan = plan_tiles(xs, ws, out, x.shape, w, act_kind)
-  if plan is None:
-    return None
-  a, k, m, unit, kt = plan.a, plan.k, plan.m, plan.unit, plan.kt
-  kept_shape, n = plan.kept_shape, plan.n
-
-  # x -> (M, K) with the contracted axes in the weight's order.
-  x2 = jnp.transpose(x, [xs.index(c) for c in plan.x_only + tuple(ws[:a])])
-  x2 = x2.reshape(m, k).astype(jnp.float32)
-  # M = 1 takes XLA's own matrix-vector loop (f32); M >= 2 the fused bf16 kernel (bf16 x bf16 with
-  # f32 accumulation needs no weight copy there; at M = 1 bf16 tiles measured slower than f32).
-  cdt = jnp.float32 if m == 1 else jnp.bfloat16
-  xq = xscale = None
-  if act_kind is not None:
-    xr = x2.reshape(m, k // unit, unit) if plan.grouped else x2.reshape(m, 1, k)
-    xq, xscale = _quantize_rows(xr, (2,), act_kind)
-    xq = xq.reshape(m, k)
-    xscale = xscale.reshape(m, -1)  # (M, K/unit) or (M, 1)
-    xin = xq.astype(cdt)
-  else:
-    xin = x2.astype(cdt)
-
-  lead = n // kept_shape[-1]
-  qt = w.qtype
-  if qt.packed:
-    per = packing.GROUPS[qt.bits][0]
-    data2 = w.data.reshape(k, -1)
-    nf = packing.packed_length(kept_shape[-1], qt.bits) // packing.GROUPS[qt.bits][1]
-    def fields(rows):
-      p = rows.reshape(rows.shape[0], lead, -1)
-      return [f.reshape(rows.shape[0], -1) for f in packing.unpack_fields(p, qt.bits)]
-  else:
-    per, nf = 1, kept_shape[-1]
-    data2 = w.data.reshape(k, n)
-    def fields(rows):
-      return [rows]
-  s_f = _fields(_per_k(w.scale, w, plan), per, nf, kept_shape)
-  z_f = _fields(_per_k(w.zero_point, w, plan), per, nf, kept_shape)
-
-  def tile_product(start, rows):
-    """Per-field (M, Nf) f32 partial products of the tile of weight rows at `start`."""
-    size = rows.shape[0]
-    xt = lax.dynamic_slice_in_dim(xin, start, size, 1)
-    parts = []
-    for c, s, z in zip(fields(rows), s_f, z_f):
-      if plan.fold:
-        gi = start // unit
-        s_t = lax.dynamic_slice_in_dim(s, gi, size // unit, 0)[:, None]
-        cv = c.reshape(size // unit, unit, -1).astype(jnp.float32)
-        if z is not None:
-          cv = cv - lax.dynamic_slice_in_dim(z, gi, size // unit, 0)[:, None]
-        if act_kind is None:
-          cv = cv * s_t
-        c = cv.reshape(size, -1)
-      p = jnp.dot(xt, c.astype(cdt), preferred_element_type=jnp.float32)
-      if act_kind is not None and plan.grouped:  # one group per tile: scale it now
-        xs_t = lax.dynamic_slice_in_dim(xscale, start // unit, 1, 1)
-        p = p * xs_t * s_t[0]
-      elif act_kind == 'int':
-        p = p.astype(jnp.int32)  # exact: |partial| < 2**24 by the choice of kt
-      parts.append(p)
-    return jnp.stack(parts)
-
-  acc_dtype = jnp.int32 if act_kind == 'int' and not plan.grouped else jnp.float32
-  acc = jnp.zeros((per, m, lead * nf), acc_dtype)
-  n_full = k // kt
-  if n_full:
-    acc = lax.fori_loop(
-        0, n_full,
-        lambda i, acc: acc + tile_product(i * kt,
-                                          lax.dynamic_slice_in_dim(data2, i * kt, kt, 0)),
-        acc)
-  if n_full * kt < k:
-    acc = acc + tile_product(n_full * kt, data2[n_full * kt:])
-  y = _tile_epilogue(acc.astype(jnp.float32), plan, s_f, z_f, xin, xq, xscale, lead, nf, per)
-  y_letters = ''.join(plan.x_only) + ws[a:]
-  return jnp.transpose(y, [y_letters.index(c) for c in out]).astype(out_dtype)
-
-
-def _tile_epilogue(acc, plan: TilePlan, s_f, z_f, xin, xq, xscale, lead, nf, per):
-  """Scales constant along K applied once, and (per, M, lead * nf) -> (M, kept...)."""
-  if not plan.fold:
-    if z_f[0] is not None:  # (c - z) . x  =  c . x  -  z * sum(x)
-      xsum = jnp.sum(xq.astype(jnp.int32) if plan.act_kind == 'int' else xin, axis=1)
-      z = jnp.stack([z[0] for z in z_f])[:, None]
-      acc = acc - xsum.astype(jnp.float32)[None, :, None] * z
-    if plan.act_kind is not None:
-      acc = acc * xscale[None]
-    acc = acc * jnp.stack([s[0] for s in s_f])[:, None]
-  y = acc.reshape(per, plan.m, lead, nf).transpose(1, 2, 3, 0).reshape(plan.m, lead, nf * per)
-  return y[..., :plan.kept_shape[-1]].reshape(plan.m_shape + plan.kept_shape)
 
 
 def qdot(x: jax.Array, w: Union[jax.Array, QArray], **kw) -> jax.Array:

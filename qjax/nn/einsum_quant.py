@@ -31,8 +31,8 @@ class EinsumQuant:
   Attributes:
     act_fmt: activation format for W8A8 / fp8 x fp8 (its kind: activations are quantized
       dynamically per token), or None for weight-only. Quantized weights only.
-    path: qeinsum compute path ('auto', 'dequant', 'tiled', 'int8', 'fp8'). Quantized weights
-      only, unless 'auto'.
+    path: qeinsum compute path ('auto', 'dequant', 'tiled', 'kernel', 'int8', 'fp8').
+      Quantized weights only, unless 'auto'.
     fake_fmt: a fully resolved weight format fake-quantized in the forward (QAT), or None.
       Float weights only.
     learn_scale: LSQ: the step size of `fake_fmt` (variable `qat_scale`) and, for an

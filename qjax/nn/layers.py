@@ -33,6 +33,7 @@ from flax import nnx
 
 from qjax.core import QArray, choose_path, dequantize, fake_quant, qeinsum
 from qjax.core import scale_shape
+from qjax.core.decode_paths import float_einsum
 from qjax.core.learned import learned_fake_quant, pact_clip
 from qjax.core.qdot import INT8_ACT
 from qjax.core.qdot import parse_spec as _core_parse_spec
@@ -290,6 +291,9 @@ class Einsum(nnx.Module):
     if quant.fake_act_fmt is not None:
       x = fake_quant(x, quant.fake_act_fmt)
     out_dtype = out_dtype or x.dtype
+    if w.dtype == jnp.bfloat16 and x.dtype != w.dtype:
+      # bf16 params with f32 compute: no per-call f32 copy of the weight (decode_paths).
+      return float_einsum(self.spec, x, w, out_dtype)
     return jnp.einsum(self.spec, x, w.astype(x.dtype), preferred_element_type=out_dtype)
 
   def outlier_forward(self, x: jax.Array, w: QArray,

@@ -1,0 +1,269 @@
+"""Gemma 3 270M side by side: qjax f32 / bf16 / int8 / int4 / W8A8 and HF transformers.
+
+    .venv/bin/python -m benchmarks.peers [--rows=qjax-f32,qjax-int4] [--quick] [--out=results/peers]
+
+One run, one table: every row runs in its own subprocess (so its peak RSS is its own), on the
+same prompts: prefill = one forward of 512 Tiny Shakespeare tokens (all logits, as HF's
+forward); decode = 64 greedy steps after a 128-token prompt at batch 1 and 8, only the steps
+timed; median of 3 for prefill; perplexity on the first 2 WikiText-2 valid windows of 512
+(BOS per window, `qjax.pipeline.gemma`). Prints tok/s, ms/token, peak RSS, weight bytes,
+ppl and ratios to qjax f32; writes <out>.json and <out>.png. `--quick`: prefill 128, 16 steps,
+1 window (a smoke run, ~5 min). Expected run time ~15-25 min for all rows on 2 cores.
+HF rows run when `transformers` and `torch` import (`pip install -e .[reference]`).
+
+Timing needs an idle machine: the script prints the load average before and after each row;
+compare rows only within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ROWS = ('qjax-f32', 'qjax-bf16', 'qjax-int8', 'qjax-int8-headf', 'qjax-int4', 'qjax-int4-headf',
+        'qjax-w8a8', 'hf-fp32', 'hf-bf16')
+DESCRIPTIONS = {
+    'qjax-f32': 'qjax, float32 params',
+    'qjax-bf16': 'qjax, bfloat16 params',
+    'qjax-int8': 'qjax int8 per-channel, every weight incl. the tied head',
+    'qjax-int8-headf': 'qjax int8 per-channel, embedding/head float',
+    'qjax-int4': 'qjax int4 g128 (RTN), every weight incl. the tied head',
+    'qjax-int4-headf': 'qjax int4 g128 (RTN), embedding/head float',
+    'qjax-w8a8': 'qjax W8A8 (int8 weights, dynamic per-token int8 activations), head int8 w-only',
+    'hf-fp32': 'HF transformers (torch CPU), fp32',
+    'hf-bf16': 'HF transformers (torch CPU), bf16',
+}
+
+
+def _peak_rss_mib() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _data(tok, prefill: int, windows: int):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from qjax import data as qdata  # pylint: disable=g-import-not-at-top
+  from qjax.pipeline.gemma import bos_windows  # pylint: disable=g-import-not-at-top
+  bos = tok.encode('').ids[0] if tok.encode('').ids else 2
+  ts = np.asarray(tok.encode(qdata.corpus('tinyshakespeare')[:200_000]).ids, np.int32)
+  wt2 = np.asarray(tok.encode(qdata.corpus('wikitext2_valid')[:100_000]).ids, np.int32)
+  return ts[:prefill], ts[prefill:prefill + 8 * 128].reshape(8, 128), bos_windows(
+      wt2, bos, 512, windows)
+
+
+def _policy(row: str):
+  from qjax import int_format  # pylint: disable=g-import-not-at-top
+  from qjax.nn import QuantPolicy, QuantRule  # pylint: disable=g-import-not-at-top
+  bits = 4 if 'int4' in row else 8
+  fmt = int_format(bits, group_size=128 if bits == 4 else None)
+  rules = [QuantRule('embed', exempt=True)] if row.endswith('-headf') else []
+  if row == 'qjax-w8a8':
+    rules.append(QuantRule('embed', fmt))  # the head stays weight-only int8
+    rules.append(QuantRule('.*', fmt, act=int_format(8)))
+  else:
+    rules.append(QuantRule('.*', fmt))
+  return QuantPolicy(tuple(rules))
+
+
+def _run_qjax(row: str, a) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from qjax import eval as qeval  # pylint: disable=g-import-not-at-top
+  from qjax import kernels  # pylint: disable=g-import-not-at-top
+  from qjax.checkpoints import load_gemma3_270m  # pylint: disable=g-import-not-at-top
+  from qjax.nn import generate, kvcache, quantize_model  # pylint: disable=g-import-not-at-top
+
+  model, tok, _ = load_gemma3_270m(param_dtype='bfloat16' if row == 'qjax-bf16' else 'float32')
+  if row not in ('qjax-f32', 'qjax-bf16'):
+    qmodel, _ = quantize_model(model, _policy(row))
+    del model
+    model = qmodel
+  weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
+                     for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, 'dtype'))
+  prefill_ids, prompts, windows = _data(tok, a.prefill, a.windows)
+  cfg = model.config
+
+  def prefill_once():
+    cache = kvcache.init_cache(cfg, 1, a.prefill + 1)
+    t = time.perf_counter()
+    out, _ = generate.greedy_step(model, jnp.asarray(prefill_ids[None]), cache)
+    jax.block_until_ready(out)
+    return time.perf_counter() - t
+
+  prefill_once()  # compile
+  prefill_s = statistics.median(prefill_once() for _ in range(3))
+
+  def decode(batch: int, steps: int) -> float:
+    cache = kvcache.init_cache(cfg, batch, 128 + steps + 1)
+    tok_B, cache = generate.greedy_step(model, jnp.asarray(prompts[:batch]), cache)
+    jax.block_until_ready(tok_B)
+    t = time.perf_counter()
+    for _ in range(steps):
+      tok_B, cache = generate.greedy_step(model, tok_B[:, None], cache)
+    jax.block_until_ready(tok_B)
+    return time.perf_counter() - t
+
+  out = {'weight_bytes': weight_bytes, 'prefill_tok_s': a.prefill / prefill_s,
+         'kernel': kernels.status()}
+  for b in (1, 8):
+    decode(b, 2)  # compile both steps
+    s = decode(b, a.steps)
+    out[f'decode_b{b}_tok_s'] = b * a.steps / s
+    out[f'decode_b{b}_ms_per_step'] = 1e3 * s / a.steps
+  out['ppl_wikitext2'] = qeval.perplexity(model, windows, 1)['ppl']
+  return out
+
+
+def _run_hf(row: str, a) -> dict:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from qjax.checkpoints import gemma3_270m_path, load_gemma3_270m  # pylint: disable=g-import-not-at-top
+  torch.set_num_threads(os.cpu_count() or 2)
+  path = gemma3_270m_path()
+  dtype = torch.bfloat16 if row == 'hf-bf16' else torch.float32
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype).eval()
+  _, tok, _ = load_gemma3_270m()  # the same ids as the qjax rows
+  prefill_ids, prompts, windows = _data(tok, a.prefill, a.windows)
+  weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+  with torch.no_grad():
+    ids = torch.as_tensor(prefill_ids[None], dtype=torch.long)
+    model(ids)
+    ts = []
+    for _ in range(3):
+      t = time.perf_counter()
+      model(ids)
+      ts.append(time.perf_counter() - t)
+    out = {'weight_bytes': weight_bytes, 'prefill_tok_s': a.prefill / statistics.median(ts)}
+    for b in (1, 8):
+      p = torch.as_tensor(prompts[:b], dtype=torch.long)
+      res = model(p, use_cache=True)
+      past, nxt = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+      t = time.perf_counter()
+      for _ in range(a.steps):
+        res = model(nxt, past_key_values=past, use_cache=True)
+        past, nxt = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+      s = time.perf_counter() - t
+      out[f'decode_b{b}_tok_s'] = b * a.steps / s
+      out[f'decode_b{b}_ms_per_step'] = 1e3 * s / a.steps
+    nll, n = 0.0, 0
+    for w in windows:
+      x = torch.as_tensor(w[None], dtype=torch.long)
+      logp = torch.log_softmax(model(x).logits[0, :-1].float(), -1)
+      nll -= float(logp.gather(1, x[0, 1:, None]).sum())
+      n += len(w) - 1
+    out['ppl_wikitext2'] = float(np.exp(nll / n))
+  return out
+
+
+def _child(row: str, a) -> None:
+  t = time.perf_counter()
+  out = _run_hf(row, a) if row.startswith('hf-') else _run_qjax(row, a)
+  out.update(row=row, description=DESCRIPTIONS[row], peak_rss_mib=_peak_rss_mib(),
+             seconds=time.perf_counter() - t)
+  print('PEERS_JSON ' + json.dumps(out), flush=True)
+
+
+def _hf_importable() -> bool:
+  try:
+    import torch  # pylint: disable=g-import-not-at-top,unused-import
+    import transformers  # pylint: disable=g-import-not-at-top,unused-import
+    return True
+  except ImportError:
+    return False
+
+
+def _table(results: list[dict]) -> str:
+  base = next((r for r in results if r['row'] == 'qjax-f32' and 'error' not in r), None)
+  cols = ['prefill_tok_s', 'decode_b1_tok_s', 'decode_b8_tok_s']
+  lines = ['| row | prefill 512 tok/s | decode b1 tok/s (ms/tok) | decode b8 tok/s | '
+           'peak RSS MiB | weights MB | ppl WT2 | x f32 (prefill / b1 / b8) |',
+           '|---|---|---|---|---|---|---|---|']
+  for r in results:
+    if 'error' in r:
+      lines.append(f"| {r['row']} | failed: {r['error'][:80]} |||||||")
+      continue
+    ratio = ' / '.join(f"{r[c] / base[c]:.2f}" for c in cols) if base else ''
+    lines.append(f"| {r['row']} | {r['prefill_tok_s']:.0f} | {r['decode_b1_tok_s']:.1f} "
+                 f"({r['decode_b1_ms_per_step']:.1f}) | {r['decode_b8_tok_s']:.1f} | "
+                 f"{r['peak_rss_mib']:.0f} | {r['weight_bytes'] / 1e6:.0f} | "
+                 f"{r['ppl_wikitext2']:.2f} | {ratio} |")
+  return '\n'.join(lines)
+
+
+def _plot(results: list[dict], path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  ok = [r for r in results if 'error' not in r]
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  for ax, key, title in zip(axes, ['prefill_tok_s', 'decode_b1_tok_s', 'decode_b8_tok_s'],
+                            ['prefill 512 tok/s', 'decode b1 tok/s', 'decode b8 tok/s']):
+    ax.barh([r['row'] for r in ok], [r[key] for r in ok])
+    ax.set_title(title)
+    ax.invert_yaxis()
+  fig.suptitle('Gemma 3 270M on CPU (one run, side by side)')
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  ap.add_argument('--rows', default=','.join(ROWS), help=f'comma-separated subset of {ROWS}')
+  ap.add_argument('--quick', action='store_true', help='prefill 128, 16 steps, 1 window')
+  ap.add_argument('--out', default='results/peers')
+  ap.add_argument('--child', default=None, help=argparse.SUPPRESS)
+  ap.add_argument('--prefill', type=int, default=512)
+  ap.add_argument('--steps', type=int, default=64)
+  ap.add_argument('--windows', type=int, default=2)
+  a = ap.parse_args()
+  if a.quick:
+    a.prefill, a.steps, a.windows = 128, 16, 1
+  if a.child:
+    _child(a.child, a)
+    return
+  rows = [r for r in a.rows.split(',') if r]
+  bad = [r for r in rows if r not in ROWS]
+  if bad:
+    raise SystemExit(f'peers: unknown rows {bad}; choose from {ROWS}.')
+  if not _hf_importable():
+    skipped = [r for r in rows if r.startswith('hf-')]
+    rows = [r for r in rows if not r.startswith('hf-')]
+    if skipped:
+      print(f'peers: transformers/torch not importable, leaving out {skipped} '
+            "(pip install -e '.[reference]').")
+  results = []
+  for row in rows:
+    load0 = os.getloadavg()[0]
+    cmd = [sys.executable, '-m', 'benchmarks.peers', f'--child={row}', f'--prefill={a.prefill}',
+           f'--steps={a.steps}', f'--windows={a.windows}']
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    line = next((l for l in p.stdout.splitlines() if l.startswith('PEERS_JSON ')), None)
+    if line is None:
+      tail = (p.stderr.strip().splitlines() or ['no output'])[-1]
+      res = {'row': row, 'error': tail}
+    else:
+      res = json.loads(line[len('PEERS_JSON '):])
+    res['load_avg_before'], res['load_avg_after'] = load0, os.getloadavg()[0]
+    results.append(res)
+    print(json.dumps(res), flush=True)
+  os.makedirs(os.path.dirname(a.out) or '.', exist_ok=True)
+  meta = {'cpus': os.cpu_count(), 'quick': a.quick, 'prefill': a.prefill, 'steps': a.steps,
+          'windows': a.windows, 'time': time.strftime('%Y-%m-%d %H:%M:%S')}
+  with open(a.out + '.json', 'w') as f:
+    json.dump({'meta': meta, 'rows': results}, f, indent=1)
+  _plot(results, a.out + '.png')
+  print(_table(results))
+  print(f'wrote {a.out}.json and {a.out}.png')
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,208 @@
+"""Decode-shape paths of `qeinsum` on CPU: the optional kernel, and the head tiled over V.
+
+* `kernel_einsum`: M <= `MAX_KERNEL_ROWS` rows of activations times an int8 or packed int4
+  weight (symmetric, per-channel or grouped scales) on `qjax.kernels`' jax.ffi kernel, which
+  widens each 64-code slice in registers and never writes a float weight. Weight-only
+  semantics, f32 accumulation: equal to `einsum(x, dequantize(w))` up to summation order.
+  Two layouts: (contracted..., kept...) weights ('BTD,DF->BTF', 'BTNH,NHD->BTD', ...) and
+  the tied head (V, D) ('BTD,VD->BTV'). Used by `path='auto'` on CPU when
+  `qjax.kernels.available()`; `path='kernel'` asks for it explicitly.
+* `vblocked_einsum`: the head layout (weight (V, D), contracted axis last, which the row
+  tiles of `qjax.core.tiled_path` cannot express) as a `lax.map` over blocks of V rows: each
+  block is dequantized and multiplied, so the temporary is one block (~1/64 of a Gemma head),
+  never the 671 MB float head that plain 'dequant' writes every call.
+* `float_einsum`: a bf16 (or other low-precision float) weight with f32 activations without
+  a per-call f32 copy of the weight: the kernel at M <= 16, else bf16 x bf16 with f32
+  accumulation (XLA:CPU's fused kernel).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qjax import kernels
+from qjax.core import packing
+from qjax.core import tiled_path as tiled
+from qjax.core.qarray import QArray, dequantize
+
+MAX_KERNEL_ROWS = 16   # decode shapes: beyond this the fused XLA tiles win (prefill)
+_BLOCK_ELEMENTS = 2**19  # weight elements per V block of `vblocked_einsum` (2 MiB in f32)
+
+
+def head_axes(xs: str, ws: str, out: str) -> bool:
+  """Whether the spec is the head layout: w (N, K) with K contracted, N kept, no batch axes."""
+  if len(ws) != 2 or len(set(xs)) != len(xs) or len(set(out)) != len(out):
+    return False
+  kept, contracted = ws
+  if contracted not in xs or contracted in out or kept in xs or kept not in out:
+    return False
+  return all(c in out for c in xs if c != contracted) and len(out) == len(xs)
+
+
+def _rows(xs, x, contracted: str):
+  """x -> (M, K) f32 with K last; returns it and the row letters and shape."""
+  x_only = tuple(c for c in xs if c not in contracted)
+  x2 = jnp.transpose(x, [xs.index(c) for c in x_only + tuple(contracted)])
+  m_shape = tuple(x.shape[xs.index(c)] for c in x_only)
+  k = math.prod(x.shape[xs.index(c)] for c in contracted)
+  return x2.reshape(math.prod(m_shape), k).astype(jnp.float32), x_only, m_shape
+
+
+def _finish(y2, x_only, m_shape, kept_letters, kept_shape, out, out_dtype):
+  y = y2.reshape(m_shape + tuple(kept_shape))
+  letters = ''.join(x_only) + kept_letters
+  return jnp.transpose(y, [letters.index(c) for c in out]).astype(out_dtype)
+
+
+def _kernel_kind(w: QArray) -> Optional[str]:
+  if w.zero_point is not None or w.qtype.is_float:
+    return None
+  return {8: 'int8', 4: 'int4'}.get(w.qtype.bits) if w.qtype.bits != 4 or w.qtype.packed else None
+
+
+def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype,
+                  max_rows: int = MAX_KERNEL_ROWS) -> Optional[jax.Array]:
+  """`qeinsum` on the CPU kernel, or None when the kernel or this spec / layout cannot.
+
+  Args:
+    xs, ws, out: the parsed spec (`parse_spec`).
+    x: float activations.
+    w: the quantized weight.
+    out_dtype: result dtype.
+    max_rows: use the kernel only up to this many activation rows.
+
+  Returns:
+    The einsum result, or None (kernel unavailable, zero points, a code type other than
+    int8 / packed int4, more rows than `max_rows`, or a spec neither layout expresses).
+  """
+  kind = _kernel_kind(w)
+  if kind is None or not kernels.available():
+    return None
+  if head_axes(xs, ws, out):
+    return _kernel_head(xs, ws, out, x, w, kind, out_dtype, max_rows)
+  plan = tiled.plan_tiles(xs, ws, out, x.shape, w, None)
+  if plan is None or plan.m > max_rows:
+    return None
+  a, k, kept_shape = plan.a, plan.k, plan.kept_shape
+  x2, x_only, m_shape = _rows(xs, x, ws[:a])
+  s = tiled.per_k(w.scale, w, plan)                      # (G, kept scale dims...)
+  s = jnp.broadcast_to(s, s.shape[:1] + tuple(kept_shape))
+  last = kept_shape[-1]
+  if kind == 'int4':
+    padded = 2 * packing.packed_length(last, 4)
+    if padded != last:
+      s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, padded - last)], constant_values=1.0)
+  else:
+    padded = last
+  s = s.reshape(s.shape[0], -1)
+  y2 = kernels.gemv(x2, w.data.reshape(k, -1), s, 'kn', kind)
+  if padded != last:
+    y2 = y2.reshape(y2.shape[0], -1, padded)[..., :last]
+  return _finish(y2, x_only, m_shape, ws[a:], kept_shape, out, out_dtype)
+
+
+def _kernel_head(xs, ws, out, x, w: QArray, kind, out_dtype, max_rows):
+  """The head layout (V, D) on the kernel's 'nk' form."""
+  v, d = w.shape
+  if kind == 'int4' and d % 2:
+    return None  # a padded packed contraction axis: the kernel reads whole bytes
+  x2, x_only, m_shape = _rows(xs, x, ws[1])
+  if x2.shape[0] > max_rows:
+    return None
+  sv, g = w.scale.shape
+  s = w.scale.astype(jnp.float32)
+  if sv != v:  # one scale for several rows: the kernel takes one scale row per weight row
+    s = jnp.repeat(s, v // sv, axis=0)
+  y2 = kernels.gemv(x2, w.data, s, 'nk', kind)
+  return _finish(y2, x_only, m_shape, ws[0], (v,), out, out_dtype)
+
+
+def vblocked_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray,
+                    out_dtype) -> Optional[jax.Array]:
+  """The head layout as a loop over blocks of V rows (module docstring), or None."""
+  if not head_axes(xs, ws, out):
+    return None
+  v, d = w.shape
+  tile_v = w.tile_shape[0]
+  vb = max(tile_v, (_BLOCK_ELEMENTS // d) // tile_v * tile_v)
+  nb = v // vb
+  if nb < 2:
+    return None  # small enough that the block is the weight: 'dequant' is the same thing
+  x2, x_only, m_shape = _rows(xs, x, ws[1])
+  cdt = jnp.float32 if x2.shape[0] == 1 else jnp.bfloat16  # as the row tiles (tiled_path.py)
+  xin = x2.astype(cdt)
+  sv = w.scale.shape[0]
+
+  def rows_of(arr, start, size):
+    """A block of a scale-shaped leaf (its V axis is 1, or V / tile_v)."""
+    if arr is None or sv == 1:
+      return arr
+    return lax.dynamic_slice_in_dim(arr, start // tile_v, size // tile_v, 0)
+
+  def block(start, size):
+    blk = w.rebuild([lax.dynamic_slice_in_dim(w.data, start, size, 0),
+                     rows_of(w.scale, start, size), rows_of(w.zero_point, start, size)])
+    return jnp.dot(xin, dequantize(blk, cdt).T, preferred_element_type=jnp.float32)
+
+  y = lax.map(lambda i: block(i * vb, vb), jnp.arange(nb))          # (nb, M, vb)
+  y2 = jnp.transpose(y, (1, 0, 2)).reshape(x2.shape[0], nb * vb)
+  if nb * vb < v:
+    y2 = jnp.concatenate([y2, block(nb * vb, v - nb * vb)], axis=1)
+  return _finish(y2, x_only, m_shape, ws[0], (v,), out, out_dtype)
+
+
+def float_einsum(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+  """`einsum(spec, x, w)` for a low-precision float weight (e.g. bf16), accumulated in f32.
+
+  Never converts the whole weight per call (what `w.astype(x.dtype)` does, 8x f32 time at
+  decode on XLA:CPU): M <= 16 rows run on the CPU kernel when it is available and the spec
+  is one of its layouts; otherwise activations are cast to the weight's dtype and multiplied
+  with f32 accumulation (XLA:CPU's fused bf16 kernel for M >= 2).
+
+  Args:
+    spec: two-operand einsum, activations first.
+    x: activations (any float dtype).
+    w: the float weight.
+    out_dtype: result dtype (default: x's dtype).
+
+  Returns:
+    The einsum result in `out_dtype`.
+  """
+  out_dtype = out_dtype or x.dtype
+  xs, ws, out = tiled.parse_spec(spec)
+  if (w.dtype == jnp.bfloat16 and jax.default_backend() == 'cpu' and kernels.available()):
+    y = _float_kernel(xs, ws, out, x, w, out_dtype)
+    if y is not None:
+      return y
+  xc = x.astype(w.dtype)
+  x_only = [i for i, c in enumerate(xs) if c not in ws]
+  pad = x_only and all(x.shape[i] == 1 for i in x_only)
+  if pad:  # one row: XLA:CPU's plain dot widens the weight; two rows take the fused kernel
+    xc = jnp.concatenate([xc, jnp.zeros_like(xc)], axis=x_only[0])
+  y = jnp.einsum(spec, xc, w, preferred_element_type=jnp.float32)
+  if pad:
+    y = lax.slice_in_dim(y, 0, 1, axis=out.index(xs[x_only[0]]))
+  return y.astype(out_dtype)
+
+
+def _float_kernel(xs, ws, out, x, w, out_dtype):
+  """A bf16 weight on the kernel, in the 'kn' or head layout, or None."""
+  if head_axes(xs, ws, out):
+    x2, x_only, m_shape = _rows(xs, x, ws[1])
+    if x2.shape[0] > MAX_KERNEL_ROWS:
+      return None
+    y2 = kernels.gemv(x2, w, None, 'nk', 'bf16')
+    return _finish(y2, x_only, m_shape, ws[0], (w.shape[0],), out, out_dtype)
+  a = tiled.canonical_axes(xs, ws, out)
+  if a is None:
+    return None
+  x2, x_only, m_shape = _rows(xs, x, ws[:a])
+  if x2.shape[0] > MAX_KERNEL_ROWS:
+    return None
+  y2 = kernels.gemv(x2, w.reshape(x2.shape[1], -1), None, 'kn', 'bf16')
+  return _finish(y2, x_only, m_shape, ws[a:], w.shape[a:], out, out_dtype)

@@ -1,0 +1,100 @@
+"""An optional XLA:CPU kernel for decode-shape matmuls (`gemv.cc`, loaded through `jax.ffi`).
+
+`y = x @ W` for a few rows of f32 activations and an int8, packed int4 or bf16 weight, with
+f32 accumulation and group scales, reading each weight byte once: the path XLA:CPU lacks
+(it widens a quantized weight into a float copy before every dot). Built by
+`python -m qjax.kernels.build` (the install step runs it); when the library is missing,
+fails to load, or `QJAX_CPU_KERNEL=0` is set, `available()` is False and qjax uses its XLA
+paths. This package imports nothing else from qjax.
+
+Layouts: 'kn' weights are (K, N), contracted axis first (every projection); 'nk' weights are
+(N, K), contracted axis last (the tied head 'BTD,VD->BTV'). int4 codes are qjax's packing
+(two per byte along the last axis, low nibble first).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import threading
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ['KINDS', 'LAYOUTS', 'LIBRARY', 'available', 'gemv', 'status']
+
+# Where `python -m qjax.kernels.build` writes the library (build.py names the same path; it
+# is not imported here, so running it as a script does not import this package's state).
+LIBRARY = pathlib.Path(__file__).parent / 'build' / 'libqjax_gemv.so'
+
+KINDS = ('int8', 'int4', 'bf16')
+LAYOUTS = ('kn', 'nk')
+_SYMBOLS = {('kn', 'int8'): 'QjaxKnI8', ('kn', 'int4'): 'QjaxKnI4', ('kn', 'bf16'): 'QjaxKnBf16',
+            ('nk', 'int8'): 'QjaxNkI8', ('nk', 'int4'): 'QjaxNkI4', ('nk', 'bf16'): 'QjaxNkBf16'}
+_LOCK = threading.Lock()
+_STATE: dict = {}
+
+
+def _load() -> Optional[str]:
+  """Load and register the library once; None when it is usable, else why not."""
+  with _LOCK:
+    if 'reason' in _STATE:
+      return _STATE['reason']
+    reason = None
+    if os.environ.get('QJAX_CPU_KERNEL', '1') == '0':
+      reason = 'disabled by QJAX_CPU_KERNEL=0'
+    elif not LIBRARY.is_file():
+      reason = f'not built ({LIBRARY.name} missing: run python -m qjax.kernels.build)'
+    else:
+      try:
+        lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
+        for (layout, kind), sym in _SYMBOLS.items():
+          jax.ffi.register_ffi_target(f'qjax_gemv_{layout}_{kind}',
+                                      jax.ffi.pycapsule(getattr(lib, sym)), platform='cpu')
+      except Exception as e:  # pylint: disable=broad-except
+        reason = f'failed to load ({type(e).__name__}: {e})'
+    _STATE['reason'] = reason
+    return reason
+
+
+def available() -> bool:
+  """Whether the kernel is built, loaded and enabled (CPU only)."""
+  return _load() is None
+
+
+def status() -> str:
+  """'available', or why the kernel is not used."""
+  return _load() or 'available'
+
+
+def gemv(x_MK: jax.Array, w: jax.Array, scale: Optional[jax.Array], layout: str,
+         kind: str) -> jax.Array:
+  """`x @ W` on the CPU kernel, in f32.
+
+  Args:
+    x_MK: activations (M, K), any float dtype (computed in f32).
+    w: 'kn': (K, N) int8 | (K, N/2) uint8 packed int4 | (K, N) bf16;
+       'nk': (N, K) int8 | (N, K/2) uint8 | (N, K) bf16.
+    scale: f32 group scales, 'kn': (G, N) (groups of K/G rows), 'nk': (N, G); None for bf16.
+    layout: 'kn' or 'nk' (module docstring).
+    kind: 'int8', 'int4' or 'bf16'.
+
+  Returns:
+    y (M, N) f32; for int4 'kn', N = 2 * w.shape[1] (the padded length).
+  """
+  if layout not in LAYOUTS or kind not in KINDS:
+    raise ValueError(f'qjax.kernels.gemv: layout={layout!r}, kind={kind!r}; use a layout in '
+                     f'{LAYOUTS} and a kind in {KINDS}.')
+  reason = _load()
+  if reason is not None:
+    raise RuntimeError(f'qjax.kernels.gemv: the CPU kernel is {reason}; check available() '
+                       'first.')
+  m = x_MK.shape[0]
+  n = (2 * w.shape[1] if kind == 'int4' else w.shape[1]) if layout == 'kn' else w.shape[0]
+  out = jax.ShapeDtypeStruct((m, n), jnp.float32)
+  args = [x_MK.astype(jnp.float32), w]
+  if kind != 'bf16':
+    args.append(scale.astype(jnp.float32))
+  return jax.ffi.ffi_call(f'qjax_gemv_{layout}_{kind}', out)(*args)
