@@ -1,0 +1,31 @@
+r"""Speculative decoding sweep (draft precision x gamma x temperature); resumable.
+
+  python -m experiments.speculative --config=configs/speculative_gemma3.py [--config.small=True]
+
+Writes <out_dir>/results.jsonl and table.md (`qjax.infer.speculative_sweep`) and prints the
+table.
+"""
+
+from absl import app
+from ml_collections import config_flags
+
+from configs import speculative_gemma3
+from qjax import eval as qeval
+from qjax.infer import speculative_sweep
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/speculative_gemma3.py',
+                                          lock_config=False)
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  if config.small:
+    config = speculative_gemma3.small(config)
+  rows = speculative_sweep.run_from_config(config)
+  print(qeval.markdown_table(rows, speculative_sweep.COLUMNS))
+  qeval.require_success(rows)
+
+
+if __name__ == '__main__':
+  app.run(main)

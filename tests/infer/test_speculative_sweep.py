@@ -1,0 +1,30 @@
+"""The speculative sweep on the tiny model: rows, a failing point recorded, resumed."""
+
+from configs import speculative_gemma3
+from qjax import eval as qeval
+from qjax.infer import speculative_sweep
+
+
+def test_tiny_sweep_rows_failures_and_resume(tmp_path):
+  c = speculative_gemma3.small(speculative_gemma3.get_config())
+  c.model, c.out_dir = 'tiny', str(tmp_path)
+  c.drafts, c.gammas, c.temperatures, c.max_tokens = 'int4_g128,skip1', '2', '0,1.0', 4
+  logs = []
+  rows = speculative_sweep.run_from_config(c, log=logs.append)
+  by_name = {r['name']: r for r in rows}
+  # int4 g128 cannot group the tiny model's D = 64: recorded, and the sweep went on.
+  assert by_name['int4_g128/g2/t0.0']['status'] == 'error'
+  assert 'group_size=128' in by_name['int4_g128/g2/t0.0']['error']
+  greedy, sampled = by_name['skip1/g2/t0.0'], by_name['skip1/g2/t1.0']
+  assert greedy['status'] == sampled['status'] == 'ok'
+  assert greedy['greedy_agreement'] == 1.0
+  for r in (greedy, sampled):
+    assert 1 <= r['tokens_per_pass'] <= 3 and 0 <= r['alpha'] <= 1
+    assert abs(r['passes_per_token'] * r['tokens_per_pass'] - 1) < 1e-9
+    assert r['seconds_spec'] > 0 and r['seconds_plain'] > 0
+  assert 'delta_mean_logprob' in sampled
+  assert '| skip1/g2/t0.0 | ok |' in (tmp_path / 'table.md').read_text()
+  logs.clear()
+  rows = speculative_sweep.run_from_config(c, log=logs.append)
+  assert sum('finished earlier' in line for line in logs) == 2  # only the failures re-ran
+  qeval.require_success(rows)
