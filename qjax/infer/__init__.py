@@ -16,4 +16,7 @@ from qjax.infer.speculative_core import acceptance_prob, expected_tokens_per_pas
 # --- engine: blockwise attention, paged KV cache, scheduler, prefix cache (blockwise.py,
 # paged.py, scheduler.py, prefix_cache.py, engine.py) ---
 from qjax.infer.blockwise import attention_temp_bytes, with_attention_impl
+from qjax.infer.paged import (PageAllocator, PagedKVCache, check_step, init_paged_cache,
+                              ring_pages_needed, with_step)
+from qjax.infer.paged import forward as paged_forward
 # --- end engine ---

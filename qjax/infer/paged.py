@@ -1,0 +1,311 @@
+"""A paged KV cache (PagedAttention, Kwon et al. 2023): shared page pools and block tables.
+
+Storage: per layer one pool k/v of shape (num_pages, P, K, H) (P = page_size), float or a
+`QArray` in any KV format qjax has (`qjax.nn.kvcache.KV_FORMATS`: int8, int4, fp8, ...; the
+pool's scales are per (page, slot, kv head), i.e. per token and head, so a page write never
+changes what earlier tokens decode to). Row b of a step reads its pages through
+`block_table[b]`: logical page j (positions j*P .. j*P+P-1) is pool page `block_table[b, j]`.
+
+Sliding-window layers (with `ring=True`) keep a ring of R pages per row instead
+(`ring_table[b]`, from pools of their own): position p lives in ring page (p // P) % R, so a
+row holds only its last R*P positions, which must cover the window plus one step's new
+tokens (`ring_pages_needed`).
+
+Page 0 of every pool is a sink: padded tokens (rows with fewer new tokens than the step's T,
+or idle rows) write there, and unassigned table entries point there; both sit at positions
+after every query of their row, so the causal mask hides them. The allocator never hands
+page 0 out.
+
+`PagedKVCache` is the device half (a frozen pytree, jittable; `Attention` writes to it and
+attends over it through its `write`/`attend` methods, the protocol `qjax.nn.kvcache`
+documents). `PageAllocator` is the host half: free pages, reference counts (prefix sharing).
+`forward` runs a model against the cache; `check_step` is the host check at the step
+boundary that makes an overflowing write an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qjax.core import QArray, QFormat, dequantize, quantize
+from qjax.nn import kvcache
+from qjax.nn.attention import EMPTY_POSITION, online_attend
+from qjax.nn.config import TransformerConfig
+
+SINK_PAGE = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+  """Page pools, per-row page tables and lengths of one step.
+
+  Attributes:
+    k: per layer, the key pool (num_pages, P, K, H) (after RoPE), an array or a QArray.
+    v: per layer, the value pool.
+    block_table: int32 (B, max_pages): pool pages of each row, logical page order.
+    ring_table: int32 (B, R): ring pages of each row for ring layers ((B, 0) when none).
+    length: int32 (B,): positions already cached per row (this step writes from there).
+    num_new: int32 (B,): tokens row b writes this step (<= T; the rest of the row is padding).
+    qformat: the QFormat quantized pools store (static), or None for float pools.
+    page_size: P (static).
+    ring: per layer, whether it uses the ring table (static).
+  """
+
+  k: tuple[Union[jax.Array, QArray], ...]
+  v: tuple[Union[jax.Array, QArray], ...]
+  block_table: jax.Array
+  ring_table: jax.Array
+  length: jax.Array
+  num_new: jax.Array
+  qformat: Optional[QFormat] = dataclasses.field(default=None, metadata=dict(static=True))
+  page_size: int = dataclasses.field(default=16, metadata=dict(static=True))
+  ring: tuple[bool, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+
+  @property
+  def format(self) -> str:
+    if self.qformat is None:
+      return jnp.dtype(self.k[0].dtype).name
+    return self.qformat.name
+
+  @property
+  def max_pages(self) -> int:
+    return int(self.block_table.shape[1])
+
+  def _pages_BT(self, layer: int, positions_BT: jax.Array) -> jax.Array:
+    """Pool page of every (row, new token); padding tokens go to the sink page."""
+    logical_BT = positions_BT // self.page_size
+    if self.ring[layer]:
+      table, logical_BT = self.ring_table, logical_BT % self.ring_table.shape[1]
+    else:
+      table = self.block_table
+      logical_BT = jnp.minimum(logical_BT, table.shape[1] - 1)
+    pages_BT = jnp.take_along_axis(table, logical_BT, axis=1)
+    valid_BT = jnp.arange(positions_BT.shape[1])[None] < self.num_new[:, None]
+    return jnp.where(valid_BT, pages_BT, SINK_PAGE)
+
+  def write(self, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array,
+            positions_BT: jax.Array) -> 'PagedKVCache':
+    """The cache with this step's keys/values of `layer` in their pages (padding to the sink).
+
+    Args:
+      layer: the layer.
+      k_BTKH: new keys (after RoPE), T >= max(num_new).
+      v_BTKH: new values.
+      positions_BT: their positions, `length[b] + 0..T-1` per row.
+
+    Returns:
+      The updated cache (the other layers' pools are the same arrays).
+    """
+    pages_BT = self._pages_BT(layer, positions_BT)
+    offsets_BT = positions_BT % self.page_size
+    valid_BT = jnp.arange(positions_BT.shape[1])[None] < self.num_new[:, None]
+    offsets_BT = jnp.where(valid_BT, offsets_BT, 0)
+
+    def put(pools, new):
+      old = pools[layer]
+      if isinstance(old, QArray):  # quantize per token and head, then scatter codes + scales
+        new = quantize(new.astype(old.dtype), self.qformat)
+        upd = jax.tree.map(lambda o, n: o.at[pages_BT, offsets_BT].set(n.astype(o.dtype)),
+                           old, new)
+      else:
+        upd = old.at[pages_BT, offsets_BT].set(new.astype(old.dtype))
+      return pools[:layer] + (upd,) + pools[layer + 1:]
+    return dataclasses.replace(self, k=put(self.k, k_BTKH), v=put(self.v, v_BTKH))
+
+  def attend(self, layer: int, q_BTNH: jax.Array, positions_BT: jax.Array, *,
+             window: Optional[int] = None,
+             logit_softcap: Optional[float] = None) -> jax.Array:
+    """Attention of this step's queries over `layer`'s pages, one page per online-softmax block.
+
+    Args:
+      layer: the layer (its pages were written by `write` this step).
+      q_BTNH: queries (scaled, after RoPE).
+      positions_BT: their positions.
+      window: sliding window, or None.
+      logit_softcap: attention logit softcap, or None.
+
+    Returns:
+      out_BTNH; each page is gathered and dequantized as its block is reached.
+    """
+    pool_k, pool_v, p = self.k[layer], self.v[layer], self.page_size
+    offsets_P = jnp.arange(p, dtype=jnp.int32)
+    if self.ring[layer]:
+      table = self.ring_table
+      span = table.shape[1] * p
+      last_B = self.length + self.num_new - 1  # newest position each row holds
+
+      def positions_of(j):  # the newest position p <= last with p % span == slot
+        slot_P = j * p + offsets_P
+        pos_BP = last_B[:, None] - (last_B[:, None] - slot_P[None]) % span
+        return jnp.where(pos_BP >= 0, pos_BP, EMPTY_POSITION)
+    else:
+      table = self.block_table
+      positions_of = lambda j: (j * p + offsets_P)[None]
+
+    def fetch(block):
+      pages_B, j = block
+      k_BPKH, v_BPKH = pool_k[pages_B], pool_v[pages_B]
+      if isinstance(k_BPKH, QArray):
+        k_BPKH, v_BPKH = dequantize(k_BPKH), dequantize(v_BPKH)
+      return k_BPKH, v_BPKH, positions_of(j)
+    blocks = (table.T, jnp.arange(table.shape[1], dtype=jnp.int32))
+    return online_attend(q_BTNH, blocks, fetch, positions_BT, window=window,
+                         logit_softcap=logit_softcap)
+
+
+def ring_pages_needed(window: int, page_size: int, max_new: int) -> int:
+  """R such that a ring of R pages keeps every key a step of `max_new` tokens attends to.
+
+  The oldest key a step's first query needs is `window + max_new - 1` positions before the
+  newest one written, so R * page_size >= window + max_new - 1.
+  """
+  return -(-(window + max_new - 1) // page_size)
+
+
+def init_paged_cache(config: TransformerConfig, *, num_pages: int, page_size: int,
+                     batch: int, max_pages: int, ring_pages: int = 0, num_ring_pages: int = 0,
+                     dtype=None, fmt: Union[None, str, QFormat] = None) -> PagedKVCache:
+  """Empty pools and tables (every entry the sink page).
+
+  Args:
+    config: the model's config.
+    num_pages: pages in each full-attention layer's pool (page 0 is the sink).
+    page_size: P, positions per page.
+    batch: B, rows of a step.
+    max_pages: pages a row's block table holds (its longest sequence is max_pages * P).
+    ring_pages: R, ring pages per row for sliding-window layers; 0 keeps them on the block
+      table like full layers (what prefix sharing needs: a ring overwrites its pages).
+    num_ring_pages: pages in each ring layer's pool (with ring_pages > 0).
+    dtype: storage dtype of float pools / the dtype quantized pools read back as.
+    fmt: None (float), a name in `kvcache.KV_FORMATS`, or a QFormat (per token and head).
+
+  Returns:
+    A PagedKVCache with zero lengths.
+  """
+  for name, v in (('num_pages', num_pages), ('page_size', page_size), ('batch', batch),
+                  ('max_pages', max_pages)):
+    if not isinstance(v, int) or v < 1:
+      raise ValueError(f'init_paged_cache: {name}={v!r} must be a positive integer.')
+  if num_pages < 2:
+    raise ValueError(f'init_paged_cache: num_pages={num_pages} leaves no page besides the '
+                     'sink (page 0); use >= 2.')
+  ring = tuple(ring_pages > 0 and config.is_local(i) for i in range(config.num_layers))
+  if any(ring) and num_ring_pages < 2:
+    raise ValueError(f'init_paged_cache: ring_pages={ring_pages} needs num_ring_pages >= 2 '
+                     f'(the sink and the rings), got {num_ring_pages}.')
+  dtype = jnp.dtype(dtype or config.dtype)
+  fmt = kvcache.check_format(fmt, config.head_dim, 'init_paged_cache: fmt')
+
+  def pool(layer):
+    n = num_ring_pages if ring[layer] else num_pages
+    zeros = jnp.zeros((n, page_size, config.num_kv_heads, config.head_dim), dtype)
+    return zeros if fmt is None else quantize(zeros, fmt)
+  layers = range(config.num_layers)
+  return PagedKVCache(
+      k=tuple(pool(i) for i in layers), v=tuple(pool(i) for i in layers),
+      block_table=jnp.zeros((batch, max_pages), jnp.int32),
+      ring_table=jnp.zeros((batch, ring_pages if any(ring) else 0), jnp.int32),
+      length=jnp.zeros((batch,), jnp.int32), num_new=jnp.zeros((batch,), jnp.int32),
+      qformat=fmt, page_size=page_size, ring=ring)
+
+
+def with_step(cache: PagedKVCache, block_table, ring_table, length, num_new) -> PagedKVCache:
+  """The cache with this step's tables and lengths (host arrays; shapes must stay the same)."""
+  arr = lambda x, like: jnp.asarray(np.asarray(x, np.int32).reshape(like.shape))
+  return dataclasses.replace(cache, block_table=arr(block_table, cache.block_table),
+                             ring_table=arr(ring_table, cache.ring_table),
+                             length=arr(length, cache.length), num_new=arr(num_new, cache.num_new))
+
+
+def forward(model: nnx.Module, tokens_BT: jax.Array,
+            cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+  """Run `model`'s phases against the paged cache: (x_BTD of the last block, cache).
+
+  Row b's tokens sit at positions `length[b] + 0..T-1`; only the first `num_new[b]` are
+  written. The returned cache has `length += num_new`. Jit it with the model split
+  (`nnx.split`), as the engine does; `model.logits` turns x into logits.
+  """
+  t = tokens_BT.shape[1]
+  positions_BT = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+  x_BTD, cache = model.blocks(model.embed_tokens(tokens_BT), positions_BT, cache)
+  return x_BTD, dataclasses.replace(cache, length=cache.length + cache.num_new)
+
+
+def check_step(names: Sequence[str], lengths: Sequence[int], num_new: Sequence[int],
+               pages_held: Sequence[int], page_size: int, max_len: int) -> None:
+  """Host check at the step boundary: every row's write fits its pages and the context.
+
+  Args:
+    names: a name per row (the request id), for the message.
+    lengths: positions each row has cached.
+    num_new: tokens each row writes this step.
+    pages_held: pages each row's block table has assigned.
+    page_size: P.
+    max_len: the model's (or the engine's) longest sequence.
+
+  Raises:
+    ValueError naming the sequence, its length and the limit it would pass.
+  """
+  for name, length, new, held in zip(names, lengths, num_new, pages_held):
+    if length + new > max_len:
+      raise ValueError(kvcache.overflow_message(name, length, new, max_len, 'paged KV cache'))
+    if length + new > held * page_size:
+      raise ValueError(f'paged KV cache: sequence {name} has {length} cached + {new} new '
+                       f'tokens, past its {held} allocated pages ({held * page_size} slots); '
+                       'allocate pages (PageAllocator.alloc) before the step.')
+
+
+class PageAllocator:
+  """Free pages of one pool and a reference count per page (host side).
+
+  Page 0 is the sink and never handed out. A page shared by several sequences (a cached
+  prefix) has a count above 1 and returns to the free list when the last holder frees it.
+  """
+
+  def __init__(self, num_pages: int):
+    if num_pages < 2:
+      raise ValueError(f'PageAllocator: num_pages={num_pages} must be >= 2 (page 0 is the '
+                       'sink).')
+    self.num_pages = num_pages
+    self.refcount = np.zeros(num_pages, np.int64)
+    self._free = list(range(num_pages - 1, SINK_PAGE, -1))  # pop() hands out 1, 2, ...
+
+  @property
+  def num_free(self) -> int:
+    return len(self._free)
+
+  @property
+  def num_used(self) -> int:
+    return self.num_pages - 1 - len(self._free)
+
+  def alloc(self, n: int) -> list[int]:
+    """`n` fresh pages (count 1 each); raises when fewer are free (check `num_free` first)."""
+    if n > len(self._free):
+      raise ValueError(f'PageAllocator: {n} pages requested, {len(self._free)} free of '
+                       f'{self.num_pages - 1}; free pages or build a larger pool.')
+    pages = [self._free.pop() for _ in range(n)]
+    self.refcount[pages] = 1
+    return pages
+
+  def share(self, pages: Sequence[int]) -> None:
+    """One more holder of each of `pages`."""
+    for p in pages:
+      if self.refcount[p] < 1:
+        raise ValueError(f'PageAllocator: page {p} is free; only held pages can be shared.')
+      self.refcount[p] += 1
+
+  def free(self, pages: Sequence[int]) -> None:
+    """Drop one hold of each of `pages`; a page nobody holds returns to the free list."""
+    for p in pages:
+      if p == SINK_PAGE or self.refcount[p] < 1:
+        raise ValueError(f'PageAllocator: page {p} is not held (double free?).')
+      self.refcount[p] -= 1
+      if self.refcount[p] == 0:
+        self._free.append(p)
