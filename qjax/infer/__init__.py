@@ -19,4 +19,8 @@ from qjax.infer.blockwise import attention_temp_bytes, with_attention_impl
 from qjax.infer.paged import (PageAllocator, PagedKVCache, check_step, init_paged_cache,
                               ring_pages_needed, with_step)
 from qjax.infer.paged import forward as paged_forward
+from qjax.infer.prefix_cache import PrefixCache, block_hashes
+from qjax.infer.scheduler import Scheduler, StepPlan
+from qjax.infer.scheduler import Sequence as SequenceState
+from qjax.infer.engine import Engine, EngineConfig, EngineStats
 # --- end engine ---

@@ -1,0 +1,284 @@
+"""The serving engine: continuous batching over a paged, optionally quantized, KV cache.
+
+    engine = Engine(model, EngineConfig(max_batch=8, page_size=16, num_pages=256))
+    outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
+    for request_id, token in engine.stream(prompts, params): ...
+    engine.stats   # steps, prefill tokens computed, compilations, waste, prefix hits
+
+One step is one jitted function of (model state, tokens_BT, cache, last_B, sampling): it
+embeds, runs every block against the paged cache (`qjax.infer.paged`), takes each row's last
+fed position, and samples (`qjax.infer.sampling.sample`, per-row seeds). B is fixed
+(`max_batch` rows, idle rows padded) and T is padded to the smallest of a few buckets (1 for
+pure decode steps, then powers of two up to `chunk_size`), so the step compiles at most
+once per bucket. Before each step the host checks every row's write against its pages and
+the context (`paged.check_step`), so an overflow is an error naming the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from typing import Iterator, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qjax.infer import paged
+from qjax.infer.prefix_cache import PrefixCache
+from qjax.infer.sampling import SamplingBatch, SamplingParams, finish_reason, row_keys, sample
+from qjax.infer.scheduler import Scheduler
+from qjax.infer.scheduler import Sequence as SeqState
+from qjax.nn.attention import kv_format
+from qjax.nn.kvcache import check_format
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """How the engine batches and stores the cache.
+
+  Attributes:
+    max_batch: rows of every step (B).
+    page_size: positions per page (P).
+    num_pages: pages per full-attention layer pool, the sink page included.
+    chunk_size: most prompt tokens a sequence feeds per step (chunked prefill).
+    max_len: longest prompt + output (default: the model's `config.max_len`).
+    kv_format: None (the model's `kv_format`, float when it has none) or a KV format name.
+    prefix_caching: share full pages of identical prompt prefixes.
+    ring: sliding-window layers keep a ring of pages (off with prefix caching).
+  """
+
+  max_batch: int = 4
+  page_size: int = 16
+  num_pages: int = 64
+  chunk_size: int = 32
+  max_len: Optional[int] = None
+  kv_format: Optional[str] = None
+  prefix_caching: bool = False
+  ring: bool = True
+
+  def __post_init__(self):
+    for name in ('max_batch', 'page_size', 'num_pages', 'chunk_size'):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f'EngineConfig: {name}={v!r} must be a positive integer.')
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters of one engine (host side); `waste` entries are per step."""
+  steps: int = 0
+  prefill_tokens: int = 0  # prompt (and recomputed) positions computed
+  decode_tokens: int = 0
+  compilations: int = 0
+  prefix_hit_tokens: int = 0
+  preemptions: int = 0
+  allocated_slots: int = 0  # summed over steps: pages held * P
+  used_slots: int = 0  # summed over steps: positions cached
+  contiguous_slots: int = 0  # summed over steps: max_len per running request
+
+  @property
+  def paged_waste(self) -> float:
+    """Share of allocated cache slots not holding a position (over all steps)."""
+    return 1 - self.used_slots / max(self.allocated_slots, 1)
+
+  @property
+  def contiguous_waste(self) -> float:
+    """The same for a contiguous cache of max_len slots per running request."""
+    return 1 - self.used_slots / max(self.contiguous_slots, 1)
+
+
+def _buckets(chunk: int) -> tuple[int, ...]:
+  sizes = {1, chunk}
+  t = 8
+  while t < chunk:
+    sizes.add(t)
+    t *= 4
+  return tuple(sorted(sizes))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
+def _step(graphdef, counter, state, tokens_BT, cache, last_B, params, position_B):
+  counter()  # runs when tracing: counts compilations
+  model = nnx.merge(graphdef, state)
+  x_BTD, cache = paged.forward(model, tokens_BT, cache)
+  x_B1D = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)
+  logits_BV = model.logits(x_B1D)[:, 0]
+  tok_B, _ = sample(logits_BV, params, row_keys(params.seed_B, position_B))
+  return tok_B, cache
+
+
+class _Counter:
+  """A hashable callable (static jit argument) that counts its calls."""
+
+  def __init__(self):
+    self.count = 0
+
+  def __call__(self):
+    self.count += 1
+
+
+class Engine:
+  """Continuous batching with a paged KV cache; see the module docstring."""
+
+  def __init__(self, model: nnx.Module, config: EngineConfig = EngineConfig(),
+               tokenizer=None):
+    cfg = model.config
+    self.model, self.config, self.tokenizer = model, config, tokenizer
+    self.max_len = cfg.max_len if config.max_len is None else config.max_len
+    if self.max_len > cfg.max_len:
+      raise ValueError(f'EngineConfig: max_len={self.max_len} exceeds the model\'s '
+                       f'config.max_len={cfg.max_len}.')
+    fmt = config.kv_format if config.kv_format is not None else kv_format(model)
+    self.qformat = check_format(fmt, cfg.head_dim, 'EngineConfig: kv_format')
+    p = config.page_size
+    self.max_pages = -(-self.max_len // p)
+    ring = config.ring and not config.prefix_caching and any(
+        cfg.is_local(i) for i in range(cfg.num_layers))
+    ring_pages = 0
+    if ring:
+      ring_pages = paged.ring_pages_needed(cfg.sliding_window, p, config.chunk_size)
+      ring = ring_pages < self.max_pages  # a ring as long as the table saves nothing
+      ring_pages = ring_pages if ring else 0
+    num_ring = 1 + config.max_batch * ring_pages if ring else 0
+    self.allocator = paged.PageAllocator(config.num_pages)
+    self.ring_allocator = paged.PageAllocator(num_ring) if ring else None
+    self.prefix_cache = PrefixCache(self.allocator, p) if config.prefix_caching else None
+    self.scheduler = Scheduler(max_batch=config.max_batch, chunk_size=config.chunk_size,
+                               page_size=p, max_pages=self.max_pages, max_len=self.max_len,
+                               allocator=self.allocator, ring_allocator=self.ring_allocator,
+                               ring_pages=ring_pages, prefix_cache=self.prefix_cache)
+    self.cache = paged.init_paged_cache(
+        cfg, num_pages=config.num_pages, page_size=p, batch=config.max_batch,
+        max_pages=self.max_pages, ring_pages=ring_pages, num_ring_pages=num_ring,
+        fmt=self.qformat)
+    self.graphdef, self.state = nnx.split(model)
+    self.buckets = _buckets(config.chunk_size)
+    self.stats = EngineStats()
+    self._counter = _Counter()
+    self._ids = itertools.count()
+    self._seqs: dict[str, SeqState] = {}
+
+  # ---- requests ----------------------------------------------------------------------------
+  def add_request(self, prompt: Union[str, Sequence[int]],
+                  params: Optional[SamplingParams] = None,
+                  request_id: Optional[str] = None) -> str:
+    """Queue a request; returns its id. Raises (this request only) on bad input.
+
+    Args:
+      prompt: token ids, or text when the engine has a tokenizer.
+      params: sampling parameters (default greedy, 16 tokens).
+      request_id: a name for it (default: a counter).
+    """
+    params = SamplingParams(temperature=0.0) if params is None else params
+    rid = str(next(self._ids)) if request_id is None else str(request_id)
+    if rid in self._seqs:
+      raise ValueError(f'request {rid}: the id is already in use; pass another request_id.')
+    if isinstance(prompt, str):
+      if self.tokenizer is None:
+        raise ValueError(f'request {rid}: a text prompt needs Engine(..., tokenizer=).')
+      prompt = list(self.tokenizer.encode(prompt))
+    prompt = [int(t) for t in prompt]
+    vocab = self.model.config.vocab_size
+    if not prompt:
+      raise ValueError(f'request {rid}: the prompt is empty; give at least one token.')
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+      raise ValueError(f'request {rid}: token ids {bad[:5]} are outside the vocabulary of '
+                       f'{vocab}; use ids in [0, {vocab}).')
+    params.check_vocab(vocab)
+    seq = SeqState(rid, prompt, params.max_tokens, params)
+    self.scheduler.add(seq)  # raises for a request that can never fit
+    self._seqs[rid] = seq
+    return rid
+
+  def _finished(self, seq: SeqState) -> bool:
+    text = None
+    if seq.params.stop_strings and self.tokenizer is not None:
+      text = self.tokenizer.decode(seq.output)
+    return finish_reason(seq.params, seq.output, text) is not None
+
+  # ---- stepping ----------------------------------------------------------------------------
+  def step(self) -> list[tuple[str, int]]:
+    """Run one batched step; returns (request id, token) of the tokens it generated."""
+    plan = self.scheduler.schedule()
+    if not any(plan.num_new):
+      return []
+    b, p = self.config.max_batch, self.config.page_size
+    t = next(x for x in self.buckets if x >= max(plan.num_new))
+    tokens = np.zeros((b, t), np.int32)
+    table = np.zeros((b, self.max_pages), np.int32)
+    ring = np.zeros(self.cache.ring_table.shape, np.int32)
+    length, position = np.zeros(b, np.int32), np.zeros(b, np.int32)
+    names, params = [], [SamplingParams(temperature=0.0)] * b
+    for row, (seq, n) in enumerate(zip(plan.rows, plan.num_new)):
+      if seq is None:
+        continue
+      tokens[row, :n] = seq.tokens[seq.num_cached:seq.num_cached + n]
+      table[row, :len(seq.pages)] = seq.pages
+      ring[row, :len(seq.ring_pages)] = seq.ring_pages
+      length[row], position[row], params[row] = seq.num_cached, len(seq.output), seq.params
+      names.append(seq.id)
+      if len(seq.tokens) - seq.num_cached > 1 or not seq.output:
+        self.stats.prefill_tokens += n
+      else:
+        self.stats.decode_tokens += n
+    live = [r for r, s in enumerate(plan.rows) if s is not None]
+    paged.check_step(names, length[live], np.asarray(plan.num_new)[live],
+                     [len(plan.rows[r].pages) for r in live], p, self.max_len)
+    last = np.maximum(np.asarray(plan.num_new) - 1, 0)
+    self.cache = paged.with_step(self.cache, table, ring, length, plan.num_new)
+    tok_B, self.cache = _step(self.graphdef, self._counter, self.state, jnp.asarray(tokens),
+                              self.cache, jnp.asarray(last), SamplingBatch.stack(params),
+                              jnp.asarray(position))
+    self.stats.compilations = self._counter.count
+    self._account(plan)
+    return self.scheduler.complete(plan, np.asarray(tok_B).tolist(), self._finished)
+
+  def _account(self, plan) -> None:
+    st, p = self.stats, self.config.page_size
+    st.steps += 1
+    for seq, n in zip(plan.rows, plan.num_new):
+      if seq is None:
+        continue
+      st.used_slots += seq.num_cached + n
+      st.allocated_slots += (len(seq.pages) + len(seq.ring_pages)) * p
+      st.contiguous_slots += self.max_len
+    st.preemptions = self.scheduler.preemptions
+    if self.prefix_cache is not None:
+      st.prefix_hit_tokens = self.prefix_cache.hits * p
+
+  def stream(self, prompts: Sequence, params=None) -> Iterator[tuple[str, int]]:
+    """Queue `prompts` and yield (request id, token) as the steps generate them.
+
+    Args:
+      prompts: token-id lists (or texts, with a tokenizer).
+      params: one SamplingParams for all, a list of one per prompt, or None (greedy).
+    """
+    self._add_all(prompts, params)
+    return self.run()
+
+  def _add_all(self, prompts, params) -> list[str]:
+    plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(plist) != len(prompts):
+      raise ValueError(f'{len(plist)} SamplingParams for {len(prompts)} prompts; give one per '
+                       'prompt or a single one.')
+    return [self.add_request(prompt, prm) for prompt, prm in zip(prompts, plist)]
+
+  def run(self) -> Iterator[tuple[str, int]]:
+    """Step until every queued request is done, yielding (request id, token) events."""
+    while self.scheduler.has_work:
+      yield from self.step()
+
+  def generate(self, prompts: Sequence, params=None) -> list[list[int]]:
+    """The generated tokens of every prompt (in order), running them as one stream."""
+    ids = self._add_all(prompts, params)
+    for _ in self.run():
+      pass
+    return [self._seqs[i].output for i in ids]
+
+  def output(self, request_id: str) -> list[int]:
+    """Tokens generated so far for `request_id`."""
+    return self._seqs[str(request_id)].output

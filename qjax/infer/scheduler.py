@@ -1,0 +1,227 @@
+"""Continuous batching: which sequences run in a step, with how many tokens (host side).
+
+Every step each running sequence feeds its next tokens: a decoding one its last sampled
+token, a prefilling one the next chunk of at most `chunk_size` prompt tokens (chunked
+prefill: a long prompt takes several steps, and decodes run in each of them). Waiting
+requests join when a row is free and the pool has the pages of their first chunk
+(admission by free pages, first come first served); finished ones leave at once. When a
+running sequence needs a page and none is free, the most recently admitted other sequence
+is preempted: its pages are freed and it waits again at the front of the queue with its
+prompt and the tokens generated so far, which it recomputes when readmitted (vLLM's
+recompute preemption), so its output is unchanged.
+
+A request that could never run (prompt + max tokens past the context, or more pages than
+the whole pool) is refused when it is added, with the numbers and the fix.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Optional
+
+from qjax.infer.paged import PageAllocator
+from qjax.infer.prefix_cache import PrefixCache
+
+
+@dataclasses.dataclass
+class Sequence:
+  """One request's state.
+
+  Attributes:
+    id: the request id.
+    prompt: prompt token ids.
+    max_tokens: tokens to generate.
+    params: the request's sampling parameters (opaque here).
+    output: tokens generated so far.
+    num_cached: positions whose K/V are in the cache.
+    pages: block-table pages (logical order); ring_pages: its ring (ring layers).
+    row: the batch row it runs in, or None while waiting.
+    prefix_hit_tokens: prompt positions taken from the prefix cache at admission.
+  """
+
+  id: str
+  prompt: list[int]
+  max_tokens: int
+  params: Any = None
+  output: list[int] = dataclasses.field(default_factory=list)
+  num_cached: int = 0
+  pages: list[int] = dataclasses.field(default_factory=list)
+  ring_pages: list[int] = dataclasses.field(default_factory=list)
+  row: Optional[int] = None
+  prefix_hit_tokens: int = 0
+  finished: bool = False
+
+  @property
+  def tokens(self) -> list[int]:
+    return self.prompt + self.output
+
+  @property
+  def num_pending(self) -> int:
+    """Tokens known but not yet in the cache (the prompt rest, or the last sampled token)."""
+    return len(self.tokens) - self.num_cached
+
+
+@dataclasses.dataclass
+class StepPlan:
+  """What one step computes: per row, the sequence and its number of new tokens."""
+  rows: list[Optional[Sequence]]
+  num_new: list[int]
+
+
+class Scheduler:
+  """FCFS continuous batching over `max_batch` rows with paged memory."""
+
+  def __init__(self, *, max_batch: int, chunk_size: int, page_size: int, max_pages: int,
+               max_len: int, allocator: PageAllocator,
+               ring_allocator: Optional[PageAllocator] = None, ring_pages: int = 0,
+               prefix_cache: Optional[PrefixCache] = None):
+    self.max_batch, self.chunk_size, self.page_size = max_batch, chunk_size, page_size
+    self.max_pages, self.max_len = max_pages, max_len
+    self.allocator, self.ring_allocator, self.ring_pages = allocator, ring_allocator, ring_pages
+    self.prefix_cache = prefix_cache
+    self.waiting: collections.deque[Sequence] = collections.deque()
+    self.running: list[Sequence] = []  # in admission order
+    self.preemptions = 0
+
+  # ---- requests ----------------------------------------------------------------------------
+  def add(self, seq: Sequence) -> None:
+    """Queue `seq`; raises if it could never fit the context or the pool."""
+    total = len(seq.prompt) + seq.max_tokens
+    if total > self.max_len:
+      raise ValueError(f'request {seq.id}: prompt of {len(seq.prompt)} tokens + max_tokens='
+                       f'{seq.max_tokens} = {total} exceeds the context of {self.max_len} '
+                       'tokens; shorten the prompt or lower max_tokens.')
+    # The last sampled token is never fed, so total - 1 positions are ever cached.
+    pages = self.pages_for(total - 1)
+    limit = min(self.max_pages, self.allocator.num_pages - 1)
+    if pages > limit:
+      raise ValueError(f'request {seq.id}: {total} tokens need {pages} pages of '
+                       f'{self.page_size}, but a sequence can hold at most {limit} (pool of '
+                       f'{self.allocator.num_pages - 1} pages, {self.max_pages} per block '
+                       'table); build a larger pool or lower max_tokens.')
+    if self.ring_pages and self.ring_allocator.num_pages - 1 < self.ring_pages:
+      raise ValueError(f'request {seq.id}: a ring of {self.ring_pages} pages does not fit the '
+                       f'ring pool of {self.ring_allocator.num_pages - 1}; build a larger one.')
+    self.waiting.append(seq)
+
+  def pages_for(self, positions: int) -> int:
+    return -(-positions // self.page_size)
+
+  @property
+  def has_work(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  # ---- memory ------------------------------------------------------------------------------
+  def _take(self, n: int) -> Optional[list[int]]:
+    """`n` pages, evicting cached prefixes if needed; None if the pool cannot give them."""
+    if self.allocator.num_free < n and self.prefix_cache is not None:
+      self.prefix_cache.evict(n - self.allocator.num_free)
+    if self.allocator.num_free < n:
+      return None
+    return self.allocator.alloc(n)
+
+  def release(self, seq: Sequence) -> None:
+    """Free `seq`'s pages and row (finished or preempted)."""
+    if seq.pages:
+      self.allocator.free(seq.pages)
+    if seq.ring_pages:
+      self.ring_allocator.free(seq.ring_pages)
+    seq.pages, seq.ring_pages, seq.row = [], [], None
+    if seq in self.running:
+      self.running.remove(seq)
+
+  def _preempt(self, seq: Sequence) -> None:
+    self.release(seq)
+    seq.num_cached = 0  # recompute prompt + output on readmission
+    seq.prefix_hit_tokens = 0
+    self.waiting.appendleft(seq)
+    self.preemptions += 1
+
+  def _grow(self, seq: Sequence, n: int) -> bool:
+    """Give `seq` the pages for `n` more positions, preempting later sequences if needed."""
+    need = self.pages_for(seq.num_cached + n) - len(seq.pages)
+    while need > 0:
+      pages = self._take(need)
+      if pages is not None:
+        seq.pages += pages
+        return True
+      victims = [s for s in self.running if s is not seq]
+      if not victims:
+        return False
+      self._preempt(victims[-1])
+    return True
+
+  def _admit(self, seq: Sequence, row: int) -> bool:
+    hit = []
+    if self.prefix_cache is not None and not seq.output:
+      # Leave the prompt's last token to compute: its logits give the first output token.
+      hit = self.prefix_cache.match(seq.prompt, (len(seq.prompt) - 1) // self.page_size)
+    seq.pages, seq.num_cached = hit, len(hit) * self.page_size
+    seq.prefix_hit_tokens = seq.num_cached
+    n = min(self.chunk_size, seq.num_pending)
+    extra = self.pages_for(seq.num_cached + n) - len(hit)
+    ring = []
+    if self.ring_pages:
+      if self.ring_allocator.num_free < self.ring_pages:
+        self.release(seq)
+        return False
+      ring = self.ring_allocator.alloc(self.ring_pages)
+    pages = self._take(extra)
+    if pages is None:
+      if ring:
+        self.ring_allocator.free(ring)
+      self.release(seq)
+      seq.num_cached = seq.prefix_hit_tokens = 0
+      return False
+    seq.pages, seq.ring_pages, seq.row = hit + pages, ring, row
+    self.running.append(seq)
+    return True
+
+  # ---- steps -------------------------------------------------------------------------------
+  def schedule(self) -> StepPlan:
+    """The next step: running sequences first (in admission order), then admissions."""
+    for seq in list(self.running):
+      if seq in self.running and not self._grow(seq, min(self.chunk_size, seq.num_pending)):
+        raise RuntimeError(f'request {seq.id}: the pool cannot hold it even alone (checked '
+                           'at add); this is a scheduler bug.')
+    used = {s.row for s in self.running}
+    free_rows = [r for r in range(self.max_batch) if r not in used]
+    while self.waiting and free_rows:
+      if not self._admit(self.waiting[0], free_rows[0]):
+        break  # FCFS: later requests wait behind the head
+      self.waiting.popleft()
+      free_rows.pop(0)
+    rows: list[Optional[Sequence]] = [None] * self.max_batch
+    num_new = [0] * self.max_batch
+    for seq in self.running:
+      rows[seq.row] = seq
+      num_new[seq.row] = min(self.chunk_size, seq.num_pending)
+    return StepPlan(rows, num_new)
+
+  def complete(self, plan: StepPlan, tokens: list[int], finished) -> list[tuple[str, int]]:
+    """Apply a step's results: positions cached, sampled tokens appended, finished released.
+
+    Args:
+      plan: the step's plan.
+      tokens: the token sampled in each row (ignored for rows still prefilling).
+      finished: `finished(seq) -> bool` after a token is appended.
+
+    Returns:
+      (request id, token) of every token generated this step.
+    """
+    events = []
+    for row, (seq, n) in enumerate(zip(plan.rows, plan.num_new)):
+      if seq is None or seq.row != row:
+        continue
+      seq.num_cached += n
+      if self.prefix_cache is not None and not seq.output:
+        done = min(seq.num_cached, len(seq.prompt))
+        self.prefix_cache.insert(seq.prompt[:done], seq.pages)
+      if seq.num_pending == 0:  # the whole sequence is cached: this row sampled a token
+        seq.output.append(int(tokens[row]))
+        events.append((seq.id, int(tokens[row])))
+        if finished(seq):
+          seq.finished = True
+          self.release(seq)
+    return events

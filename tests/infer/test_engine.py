@@ -1,0 +1,86 @@
+"""The engine: batched greedy outputs == each prompt alone, preemption, waste, bad input."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from qjax.infer import Engine, EngineConfig, SamplingParams
+from qjax.nn import Transformer, TransformerConfig, greedy_generate, with_kv_format
+
+# A sliding-window layer (ring pages) and a global one.
+CFG = TransformerConfig.tiny(sliding_window=6, global_every=2, max_len=48)
+PROMPT_LENS, MAX_TOKENS = (3, 19, 9, 5), (6, 4, 7, 5)
+
+
+def _prompts(lens=PROMPT_LENS, seed=0):
+  keys = jax.random.split(jax.random.key(seed), len(lens))
+  return [np.asarray(jax.random.randint(k, (n,), 0, CFG.vocab_size)).tolist()
+          for k, n in zip(keys, lens)]
+
+
+def _alone(model, prompt, n):
+  return np.asarray(greedy_generate(model, np.asarray([prompt]), n))[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope='module')
+def model():
+  return Transformer(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize('fmt', [None, 'int8'])
+def test_batched_outputs_equal_greedy_generation_alone(model, fmt):
+  """4 requests, 2 rows: requests join as others leave, prompts prefill in chunks of 8."""
+  model = with_kv_format(model, fmt)
+  engine = Engine(model, EngineConfig(max_batch=2, page_size=4, num_pages=32, chunk_size=8))
+  params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
+  outs = engine.generate(_prompts(), params)
+  for prompt, n, out in zip(_prompts(), MAX_TOKENS, outs):
+    assert out == _alone(model, prompt, n)
+  st = engine.stats
+  assert 1 <= st.compilations <= len(engine.buckets) == 2  # T in {1, 8}
+  assert st.prefill_tokens == sum(PROMPT_LENS) and st.preemptions == 0
+  assert st.decode_tokens == sum(MAX_TOKENS) - len(MAX_TOKENS)
+  assert engine.allocator.num_free == 31  # every page returned
+  assert st.paged_waste < st.contiguous_waste
+
+
+def test_preemption_recomputes_and_keeps_outputs(model):
+  """A pool of 11 pages of 4 holds two of these 20-position requests, not four."""
+  prompts = _prompts((10, 10, 10, 10), seed=3)
+  engine = Engine(model, EngineConfig(max_batch=4, page_size=4, num_pages=12, chunk_size=8))
+  outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10))
+  assert engine.stats.preemptions > 0
+  for prompt, out in zip(prompts, outs):
+    assert out == _alone(model, prompt, 10)
+  assert engine.allocator.num_free == 11
+
+
+def test_streaming_yields_each_token_once_in_order(model):
+  engine = Engine(model, EngineConfig(max_batch=2, page_size=4, num_pages=32, chunk_size=8))
+  got = {}
+  for rid, tok in engine.stream(_prompts()[:2], SamplingParams(temperature=0.0, max_tokens=3)):
+    got.setdefault(rid, []).append(tok)
+  assert [got['0'], got['1']] == [engine.output('0'), engine.output('1')]
+  assert all(len(v) == 3 for v in got.values())
+
+
+def test_bad_requests_are_refused_and_others_unaffected(model):
+  engine = Engine(model, EngineConfig(max_batch=2, page_size=4, num_pages=8, chunk_size=8))
+  ok = engine.add_request(_prompts()[0], SamplingParams(temperature=0.0, max_tokens=4))
+  with pytest.raises(ValueError, match='prompt of 40 tokens \\+ max_tokens=16 = 56 exceeds '
+                                       'the context of 48'):
+    engine.add_request([1] * 40)
+  with pytest.raises(ValueError, match='need 10 pages of 4, but a sequence can hold at most 7'):
+    engine.add_request([1] * 30, SamplingParams(max_tokens=10))
+  with pytest.raises(ValueError, match='the prompt is empty'):
+    engine.add_request([])
+  with pytest.raises(ValueError, match='token ids \\[256, -1\\] are outside the vocabulary'):
+    engine.add_request([3, 256, -1])
+  with pytest.raises(ValueError, match='max_tokens=0 must be an int >= 1'):
+    engine.add_request([3], SamplingParams(max_tokens=0))
+  with pytest.raises(ValueError, match='num_pages=0 must be a positive integer'):
+    EngineConfig(num_pages=0)
+  for _ in engine.run():
+    pass
+  assert engine.output(ok) == _alone(model, _prompts()[0], 4)
