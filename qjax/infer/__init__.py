@@ -23,4 +23,5 @@ from qjax.infer.prefix_cache import PrefixCache, block_hashes
 from qjax.infer.scheduler import Scheduler, StepPlan
 from qjax.infer.scheduler import Sequence as SequenceState
 from qjax.infer.engine import Engine, EngineConfig, EngineStats
+from qjax.infer.workload import serve, synthetic_workload
 # --- end engine ---

@@ -75,9 +75,9 @@ class EngineStats:
   compilations: int = 0
   prefix_hit_tokens: int = 0
   preemptions: int = 0
-  allocated_slots: int = 0  # summed over steps: pages held * P
-  used_slots: int = 0  # summed over steps: positions cached
-  contiguous_slots: int = 0  # summed over steps: max_len per running request
+  allocated_slots: int = 0  # summed over steps and layers: pages held * P
+  used_slots: int = 0  # summed over steps and layers: positions held
+  contiguous_slots: int = 0  # summed over steps and layers: max_len per running request
 
   @property
   def paged_waste(self) -> float:
@@ -99,25 +99,18 @@ def _buckets(chunk: int) -> tuple[int, ...]:
   return tuple(sorted(sizes))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
-def _step(graphdef, counter, state, tokens_BT, cache, last_B, params, position_B):
-  counter()  # runs when tracing: counts compilations
+_TRACES = [0]  # how often `_step` was traced (= compiled), over every engine
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(3,))
+def _step(graphdef, state, tokens_BT, cache, last_B, params, position_B):
+  _TRACES[0] += 1  # runs only while tracing
   model = nnx.merge(graphdef, state)
   x_BTD, cache = paged.forward(model, tokens_BT, cache)
   x_B1D = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)
   logits_BV = model.logits(x_B1D)[:, 0]
   tok_B, _ = sample(logits_BV, params, row_keys(params.seed_B, position_B))
   return tok_B, cache
-
-
-class _Counter:
-  """A hashable callable (static jit argument) that counts its calls."""
-
-  def __init__(self):
-    self.count = 0
-
-  def __call__(self):
-    self.count += 1
 
 
 class Engine:
@@ -157,7 +150,7 @@ class Engine:
     self.graphdef, self.state = nnx.split(model)
     self.buckets = _buckets(config.chunk_size)
     self.stats = EngineStats()
-    self._counter = _Counter()
+    self._traces_before = _TRACES[0]
     self._ids = itertools.count()
     self._seqs: dict[str, SeqState] = {}
 
@@ -230,22 +223,28 @@ class Engine:
                      [len(plan.rows[r].pages) for r in live], p, self.max_len)
     last = np.maximum(np.asarray(plan.num_new) - 1, 0)
     self.cache = paged.with_step(self.cache, table, ring, length, plan.num_new)
-    tok_B, self.cache = _step(self.graphdef, self._counter, self.state, jnp.asarray(tokens),
+    tok_B, self.cache = _step(self.graphdef, self.state, jnp.asarray(tokens),
                               self.cache, jnp.asarray(last), SamplingBatch.stack(params),
                               jnp.asarray(position))
-    self.stats.compilations = self._counter.count
+    # Steps another engine of the same model and shapes compiled are reused, not counted.
+    self.stats.compilations = _TRACES[0] - self._traces_before
     self._account(plan)
     return self.scheduler.complete(plan, np.asarray(tok_B).tolist(), self._finished)
 
   def _account(self, plan) -> None:
+    """Slots summed over layers: ring layers hold at most their ring of each sequence."""
     st, p = self.stats, self.config.page_size
     st.steps += 1
+    ring = self.cache.ring
+    n_ring, n_full = sum(ring), len(ring) - sum(ring)
+    span = self.cache.ring_table.shape[1] * p
     for seq, n in zip(plan.rows, plan.num_new):
       if seq is None:
         continue
-      st.used_slots += seq.num_cached + n
-      st.allocated_slots += (len(seq.pages) + len(seq.ring_pages)) * p
-      st.contiguous_slots += self.max_len
+      held = seq.num_cached + n
+      st.used_slots += n_full * held + n_ring * min(held, span)
+      st.allocated_slots += (n_full * len(seq.pages) + n_ring * len(seq.ring_pages)) * p
+      st.contiguous_slots += len(ring) * self.max_len
     st.preemptions = self.scheduler.preemptions
     if self.prefix_cache is not None:
       st.prefix_hit_tokens = self.prefix_cache.hits * p
