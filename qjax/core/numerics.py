@@ -206,7 +206,7 @@ def check_range(lo, hi, what: str) -> None:
                      'pass (lo, hi) with lo <= hi.')
 
 
-def check_scales(scale, fmt: QFormat, what: str, span=None) -> None:
+def check_scales(scale, fmt: QFormat, what: str, lo=None, hi=None) -> None:
   """Raise if concrete scales are not finite and > 0, naming the scale dtype.
 
   A finite tensor can still overflow its scale (an asymmetric range of +-3e38 spans inf in
@@ -217,7 +217,7 @@ def check_scales(scale, fmt: QFormat, what: str, span=None) -> None:
     scale: the scales as stored (in `fmt.scale_dtype`).
     fmt: the format.
     what: the tensor, for the message.
-    span: optional |range| per scale (for the message).
+    lo, hi: optional range per scale (named in the message; read only on failure).
   """
   if not is_concrete(scale):
     return
@@ -227,7 +227,9 @@ def check_scales(scale, fmt: QFormat, what: str, span=None) -> None:
     return
   i = tuple(int(j) for j in np.argwhere(bad)[0])
   info = np.finfo(np.dtype(jnp.dtype(fmt.scale_dtype)))
-  rng = '' if span is None else f' for a range of {float(np.asarray(span, np.float32)[i]):.3g}'
+  rng = ('' if lo is None or hi is None else
+         f' for the range [{float(np.asarray(lo, np.float32)[i]):.3g}, '
+         f'{float(np.asarray(hi, np.float32)[i]):.3g}]')
   if np.isnan(s[i]):
     why = 'NaN (the range holds NaN)'
   elif s[i] == 0:

@@ -315,8 +315,7 @@ def quantize(x: jax.Array, fmt: QFormat, calibration: RangeArg = None) -> QArray
     lo, hi = calib.compute_range(x, fmt, calibration)
   scale, zp = numerics.scale_and_zero_point(lo, hi, fmt)
   if numerics.is_concrete(scale):
-    numerics.check_scales(scale, fmt, f'quantize({fmt.name}, shape={x.shape})',
-                          np.maximum(np.abs(np.asarray(lo)), np.abs(np.asarray(hi))))
+    numerics.check_scales(scale, fmt, f'quantize({fmt.name}, shape={x.shape})', lo, hi)
   xv = numerics.tiled(x.astype(jnp.float32), sshape)
   z = None if zp is None else numerics.expand(zp)
   codes = numerics.to_codes(xv, numerics.expand(scale), z, fmt).reshape(x.shape)
