@@ -75,6 +75,10 @@ def check_base(rows: Iterable[dict], base: str, results_path: str) -> None:
   """Refuse results of another base model (rows whose key names another base hash)."""
   for r in rows:
     other = (r.get('key') or {}).get('base')
+    if other is None:
+      raise ValueError(f'{results_path} holds row {r.get("name")!r} without a key (written by '
+                       'an older qjax), so which base model it measured is unknown. Use a new '
+                       'out_dir, or move the old results away.')
     if other != base:
       raise ValueError(f'{results_path} holds results of another base model (row {r.get("name")!r}'
                        f' has base {other!r}, this sweep\'s base is {base!r}); mixing them '

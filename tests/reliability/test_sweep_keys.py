@@ -70,3 +70,10 @@ def test_a_sweep_whose_every_point_failed_raises():
     qeval.require_success(rows)
   rows[1]['status'] = 'ok'
   qeval.require_success(rows)
+
+
+def test_rows_without_a_key_are_refused_when_keys_are_given(tmp_path):
+  path = str(tmp_path / 'r.jsonl')
+  qeval.append_result(path, {'name': 'a', 'status': 'ok'})
+  with pytest.raises(ValueError, match=r"row 'a' without a key"):
+    qeval.run_sweep(POINTS, _run([]), path, log=lambda s: None, keys=_keys('base1'))
