@@ -58,6 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.workdir = '/tmp/qat_base'      # a finished `python -m experiments.train` run (the teacher)
   c.out_dir = 'results/qat_sweep'
+  c.allow_unfinished = False       # use a run stopped before train.steps (records the step)
   c.quant = quantize_config.quant_config()
   c.calib = quantize_config.calib_config()     # for qat.init = 'gptq' / 'awq'
   c.options = quantize_config.method_options()
