@@ -103,14 +103,14 @@ _TRACES = [0]  # how often `_step` was traced (= compiled), over every engine
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3,))
-def _step(graphdef, state, tokens_BT, cache, last_B, params, position_B):
+def _step(graphdef, state, tokens_BT, cache, last_B, params, position_B, seen_BV):
   _TRACES[0] += 1  # runs only while tracing
   model = nnx.merge(graphdef, state)
   x_BTD, cache = paged.forward(model, tokens_BT, cache)
   x_B1D = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)
   logits_BV = model.logits(x_B1D)[:, 0]
-  tok_B, _ = sample(logits_BV, params, row_keys(params.seed_B, position_B))
-  return tok_B, cache
+  tok_B, logprob_B = sample(logits_BV, params, row_keys(params.seed_B, position_B), seen_BV)
+  return tok_B, logprob_B, cache
 
 
 class Engine:
@@ -182,6 +182,9 @@ class Engine:
       raise ValueError(f'request {rid}: token ids {bad[:5]} are outside the vocabulary of '
                        f'{vocab}; use ids in [0, {vocab}).')
     params.check_vocab(vocab)
+    if params.stop_strings and self.tokenizer is None:
+      raise ValueError(f'request {rid}: stop_strings={params.stop_strings!r} need the output '
+                       'text; build the engine with Engine(..., tokenizer=).')
     seq = SeqState(rid, prompt, params.max_tokens, params)
     self.scheduler.add(seq)  # raises for a request that can never fit
     self._seqs[rid] = seq
@@ -198,6 +201,9 @@ class Engine:
     """Run one batched step; returns (request id, token) of the tokens it generated."""
     plan = self.scheduler.schedule()
     if not any(plan.num_new):
+      if self.scheduler.waiting:
+        raise RuntimeError(f'Engine: {len(self.scheduler.waiting)} requests wait but none can '
+                           'be admitted into an idle engine; this is a scheduler bug.')
       return []
     b, p = self.config.max_batch, self.config.page_size
     t = next(x for x in self.buckets if x >= max(plan.num_new))
@@ -223,13 +229,25 @@ class Engine:
                      [len(plan.rows[r].pages) for r in live], p, self.max_len)
     last = np.maximum(np.asarray(plan.num_new) - 1, 0)
     self.cache = paged.with_step(self.cache, table, ring, length, plan.num_new)
-    tok_B, self.cache = _step(self.graphdef, self.state, jnp.asarray(tokens),
-                              self.cache, jnp.asarray(last), SamplingBatch.stack(params),
-                              jnp.asarray(position))
+    seen = None  # the repetition penalty's tokens seen (prompt and output), when one asks
+    if any(prm.repetition_penalty != 1 for prm in params):
+      seen = np.zeros((b, self.model.config.vocab_size), bool)
+      for row, seq in enumerate(plan.rows):
+        if seq is not None:
+          seen[row, seq.tokens] = True
+    tok_B, logprob_B, self.cache = _step(
+        self.graphdef, self.state, jnp.asarray(tokens), self.cache, jnp.asarray(last),
+        SamplingBatch.stack(params), jnp.asarray(position), seen)
     # Steps another engine of the same model and shapes compiled are reused, not counted.
     self.stats.compilations = _TRACES[0] - self._traces_before
     self._account(plan)
-    return self.scheduler.complete(plan, np.asarray(tok_B).tolist(), self._finished)
+    logprobs = np.asarray(logprob_B).tolist()
+    events = self.scheduler.complete(plan, np.asarray(tok_B).tolist(), self._finished)
+    sampled = {rid for rid, _ in events}
+    for row, seq in enumerate(plan.rows):
+      if seq is not None and seq.params.logprobs and seq.id in sampled:
+        seq.logprobs.append(logprobs[row])
+    return events
 
   def _account(self, plan) -> None:
     """Slots summed over layers: ring layers hold at most their ring of each sequence."""
@@ -281,3 +299,11 @@ class Engine:
   def output(self, request_id: str) -> list[int]:
     """Tokens generated so far for `request_id`."""
     return self._seqs[str(request_id)].output
+
+  def logprobs(self, request_id: str) -> list[float]:
+    """Model log-probabilities of the generated tokens (requests with `logprobs=True`)."""
+    seq = self._seqs[str(request_id)]
+    if not seq.params.logprobs:
+      raise ValueError(f'request {request_id}: log-probabilities were not requested; pass '
+                       'SamplingParams(logprobs=True).')
+    return seq.logprobs

@@ -51,6 +51,7 @@ class Sequence:
   row: Optional[int] = None
   prefix_hit_tokens: int = 0
   finished: bool = False
+  logprobs: list[float] = dataclasses.field(default_factory=list)
 
   @property
   def tokens(self) -> list[int]:

@@ -99,3 +99,21 @@ def test_engine_notebook_runs(repo_root, monkeypatch):
   assert 'engine outputs == greedy_generate alone for 1 request(s)' in text
   assert 'prefix hits: [0, ' in text
   assert any('image/png' in o.get('data', {}) for o in outputs)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch_and_logprobs_are_returned(model):
+  """A sampled request gives the same tokens alone and among others (per-request seeds)."""
+  prompts = _prompts()
+  hot = SamplingParams(temperature=1.0, top_k=20, seed=11, max_tokens=5, logprobs=True)
+  cfg = EngineConfig(max_batch=2, page_size=4, num_pages=32, chunk_size=8)
+  alone = Engine(model, cfg)
+  rid = alone.add_request(prompts[1], hot)
+  for _ in alone.run():
+    pass
+  crowded = Engine(model, cfg)
+  others = [SamplingParams(temperature=0.0, max_tokens=3, repetition_penalty=1.3)] * 2
+  outs = crowded.generate([prompts[0], prompts[1], prompts[2]], [others[0], hot, others[1]])
+  assert outs[1] == alone.output(rid)
+  lp = alone.logprobs(rid)
+  assert len(lp) == 5 and all(x <= 0 for x in lp)
+  np.testing.assert_allclose(crowded.logprobs('1'), lp, rtol=1e-4, atol=1e-5)
