@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Optional, Sequence
 
 import jax
@@ -75,31 +76,31 @@ class SamplingParams:
 
   def __post_init__(self):
     bad = lambda msg: ValueError(f'SamplingParams: {msg}')
+    real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)
+    integer = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool)
     t = self.temperature
-    if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+    if not real(t) or not math.isfinite(t) or t < 0:
       raise bad(f'temperature={t!r} must be a finite number >= 0 (0 is greedy).')
-    if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) \
-        or self.top_k < 0:
+    if not integer(self.top_k) or self.top_k < 0:
       raise bad(f'top_k={self.top_k!r} must be an int >= 0 (0 keeps every token).')
-    if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+    if not real(self.top_p) or not 0 < self.top_p <= 1:
       raise bad(f'top_p={self.top_p!r} must be in (0, 1] (1 keeps every token).')
-    if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+    if not real(self.min_p) or not 0 <= self.min_p <= 1:
       raise bad(f'min_p={self.min_p!r} must be in [0, 1] (0 keeps every token).')
     r = self.repetition_penalty
-    if not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
+    if not real(r) or not math.isfinite(r) or r <= 0:
       raise bad(f'repetition_penalty={r!r} must be a finite number > 0 (1 is off).')
-    if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, (int, np.integer)) \
-        or self.max_tokens < 1:
+    if not integer(self.max_tokens) or self.max_tokens < 1:
       raise bad(f'max_tokens={self.max_tokens!r} must be an int >= 1.')
     object.__setattr__(self, 'stop_tokens', tuple(self.stop_tokens))
     object.__setattr__(self, 'stop_strings', tuple(self.stop_strings))
     for tok in self.stop_tokens:
-      if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)) or tok < 0:
+      if not integer(tok) or tok < 0:
         raise bad(f'stop_tokens contains {tok!r}; token ids are ints >= 0.')
     for s in self.stop_strings:
       if not isinstance(s, str) or not s:
         raise bad(f'stop_strings contains {s!r}; stop strings are non-empty str.')
-    if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+    if not integer(self.seed):
       raise bad(f'seed={self.seed!r} must be an int.')
 
   @property
@@ -110,7 +111,7 @@ class SamplingParams:
     return dataclasses.replace(self, **kw)
 
   def check_vocab(self, vocab_size: int) -> None:
-    """Raise if a stop token or top_k names a token outside a vocabulary of `vocab_size`."""
+    """Raise if a stop token is outside a vocabulary of `vocab_size` tokens."""
     for tok in self.stop_tokens:
       if tok >= vocab_size:
         raise ValueError(f'SamplingParams: stop token {tok} is outside the vocabulary of '
