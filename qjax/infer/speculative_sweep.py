@@ -35,6 +35,9 @@ from qjax.core import int_format
 from qjax.infer.sampling import SamplingParams, sample_generate
 from qjax.infer.speculative import layer_skip_draft, speculative_generate
 from qjax.nn import QuantPolicy, QuantRule, quantize_model, with_kv_format
+from qjax.nn.attention import kv_format
+from qjax.nn.generate import logits_step
+from qjax.nn.kvcache import init_cache
 
 _DRAFT_RE = re.compile(r'^(?:(float)|skip(\d+)|int(\d)(?:_g(\d+))?(?:_(rtn|gptq|awq))?)'
                        r'(?:\+kv_(int8|int4|fp8))?$')
@@ -94,6 +97,23 @@ def mean_target_logprob(target, tokens_BT: jax.Array, prompt_len: int) -> float:
   return float(jnp.mean(chosen_BT))
 
 
+def step_seconds(model, prompts_BT, repeats: int = 5) -> float:
+  """Median seconds of one warm T = 1 decode step of `model` after prefilling `prompts_BT`."""
+  b, t = prompts_BT.shape
+  cache = init_cache(model.config, b, t + repeats + 2, fmt=kv_format(model))
+  _, cache = logits_step(model, prompts_BT, cache)
+  tok_B1 = prompts_BT[:, -1:]
+  logits, cache = logits_step(model, tok_B1, cache)  # compile
+  jax.block_until_ready(logits)
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    logits, cache = logits_step(model, tok_B1, cache)
+    jax.block_until_ready(logits)
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
 def run_point(target, draft, prompts_BT, *, gamma: int, temperature: float,
               max_tokens: int, seed: int = 0, top_p: float = 1.0) -> dict:
   """One point: plain vs speculative decoding of `prompts_BT` by `target` (module docstring).
@@ -109,8 +129,9 @@ def run_point(target, draft, prompts_BT, *, gamma: int, temperature: float,
     top_p: nucleus mass of both methods.
 
   Returns:
-    The row: `SpecStats.row()` plus seconds_plain, seconds_spec, speedup, and
-    greedy_agreement (temperature 0) or delta_mean_logprob (sampled).
+    The row: `SpecStats.row()` plus seconds_plain, seconds_spec, speedup, cost_ratio (draft
+    step / target step), predicted_speedup, and greedy_agreement (temperature 0) or
+    delta_mean_logprob (sampled).
   """
   prompts_BT = jnp.asarray(prompts_BT, jnp.int32)
   b, t = prompts_BT.shape
@@ -120,9 +141,13 @@ def run_point(target, draft, prompts_BT, *, gamma: int, temperature: float,
                                                           max_tokens))
   (spec_BT, stats), s_spec = _timed(lambda: speculative_generate(
       target, draft, prompts_BT, max_tokens, params=params, gamma=gamma))
+  # Leviathan et al.'s speedup model: tokens per pass / (gamma * c + 1), c = the draft's
+  # step cost in target steps (measured side by side here, so a shared machine biases both).
+  cost_ratio = step_seconds(draft, prompts_BT) / step_seconds(target, prompts_BT)
   row = dict(stats.row(), temperature=temperature, max_tokens=max_tokens, batch=b,
              prompt_len=t, seconds_plain=s_plain, seconds_spec=s_spec,
-             speedup=s_plain / s_spec)
+             speedup=s_plain / s_spec, cost_ratio=cost_ratio,
+             predicted_speedup=stats.tokens_per_pass / (gamma * cost_ratio + 1))
   if temperature == 0:
     row['greedy_agreement'] = float(np.mean(np.asarray(plain_BT) == np.asarray(spec_BT)))
   else:
@@ -183,6 +208,7 @@ def run_speculative_sweep(target, prompts_BT, points: list[tuple[str, dict]], ou
 COLUMNS = [('name', 'point'), ('status', 'status'), ('alpha', 'alpha'),
            ('alpha_tv', 'alpha (1 - TV)'), ('tokens_per_pass', 'tokens / pass'),
            ('expected_tokens_per_pass', 'formula'), ('passes_per_token', 'passes / token'),
+           ('cost_ratio', 'draft / target step'), ('predicted_speedup', 'predicted speedup'),
            ('speedup', 'speedup'), ('greedy_agreement', 'greedy agreement'),
            ('delta_mean_logprob', 'delta mean logprob')]
 

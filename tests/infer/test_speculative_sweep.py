@@ -21,7 +21,8 @@ def test_tiny_sweep_rows_failures_and_resume(tmp_path):
   for r in (greedy, sampled):
     assert 1 <= r['tokens_per_pass'] <= 3 and 0 <= r['alpha'] <= 1
     assert abs(r['passes_per_token'] * r['tokens_per_pass'] - 1) < 1e-9
-    assert r['seconds_spec'] > 0 and r['seconds_plain'] > 0
+    assert r['seconds_spec'] > 0 and r['seconds_plain'] > 0 and r['cost_ratio'] > 0
+    assert r['predicted_speedup'] == r['tokens_per_pass'] / (2 * r['cost_ratio'] + 1)
   assert 'delta_mean_logprob' in sampled
   assert '| skip1/g2/t0.0 | ok |' in (tmp_path / 'table.md').read_text()
   logs.clear()
