@@ -28,10 +28,8 @@ def model():
   return Transformer(CFG, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize('fmt', [None, 'int8'])
-def test_batched_outputs_equal_greedy_generation_alone(model, fmt):
+def test_batched_outputs_equal_greedy_generation_alone(model):
   """4 requests, 2 rows: requests join as others leave, prompts prefill in chunks of 8."""
-  model = with_kv_format(model, fmt)
   engine = Engine(model, EngineConfig(max_batch=2, page_size=4, num_pages=32, chunk_size=8))
   params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
   outs = engine.generate(_prompts(), params)
@@ -45,14 +43,17 @@ def test_batched_outputs_equal_greedy_generation_alone(model, fmt):
   assert st.paged_waste < st.contiguous_waste
 
 
-def test_preemption_recomputes_and_keeps_outputs(model):
-  """A pool of 11 pages of 4 holds two of these 20-position requests, not four."""
-  prompts = _prompts((10, 10, 10, 10), seed=3)
-  engine = Engine(model, EngineConfig(max_batch=4, page_size=4, num_pages=12, chunk_size=8))
-  outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10))
+@pytest.mark.parametrize('fmt', ['int8'])
+def test_preemption_recomputes_and_keeps_outputs_with_a_quantized_cache(model, fmt):
+  """A pool of 11 pages of 4 cannot hold two of these 24-position requests at once."""
+  model = with_kv_format(model, fmt)
+  prompts = _prompts((10, 10, 10), seed=3)
+  engine = Engine(model, EngineConfig(max_batch=2, page_size=4, num_pages=12, chunk_size=8))
+  assert engine.cache.format == 'int8-ch012'
+  outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=14))
   assert engine.stats.preemptions > 0
   for prompt, out in zip(prompts, outs):
-    assert out == _alone(model, prompt, 10)
+    assert out == _alone(model, prompt, 14)
   assert engine.allocator.num_free == 11
 
 
@@ -66,13 +67,13 @@ def test_streaming_yields_each_token_once_in_order(model):
 
 
 def test_bad_requests_are_refused_and_others_unaffected(model):
-  engine = Engine(model, EngineConfig(max_batch=2, page_size=4, num_pages=8, chunk_size=8))
-  ok = engine.add_request(_prompts()[0], SamplingParams(temperature=0.0, max_tokens=4))
+  engine = Engine(model, EngineConfig(max_batch=2, page_size=4, num_pages=12, chunk_size=8))
+  ok = engine.add_request(_prompts()[0], SamplingParams(temperature=0.0, max_tokens=6))
   with pytest.raises(ValueError, match='prompt of 40 tokens \\+ max_tokens=16 = 56 exceeds '
                                        'the context of 48'):
     engine.add_request([1] * 40)
-  with pytest.raises(ValueError, match='need 10 pages of 4, but a sequence can hold at most 7'):
-    engine.add_request([1] * 30, SamplingParams(max_tokens=10))
+  with pytest.raises(ValueError, match='need 12 pages of 4, but a sequence can hold at most 11'):
+    engine.add_request([1] * 38, SamplingParams(max_tokens=10))
   with pytest.raises(ValueError, match='the prompt is empty'):
     engine.add_request([])
   with pytest.raises(ValueError, match='token ids \\[256, -1\\] are outside the vocabulary'):
@@ -83,7 +84,7 @@ def test_bad_requests_are_refused_and_others_unaffected(model):
     EngineConfig(num_pages=0)
   for _ in engine.run():
     pass
-  assert engine.output(ok) == _alone(model, _prompts()[0], 4)
+  assert engine.output(ok) == _alone(model, _prompts()[0], 6)
 
 
 def test_engine_notebook_runs(repo_root, monkeypatch):

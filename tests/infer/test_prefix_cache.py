@@ -7,7 +7,7 @@ from flax import nnx
 
 from qjax.infer import (Engine, EngineConfig, PageAllocator, PrefixCache, SamplingParams,
                         block_hashes)
-from qjax.nn import Transformer, TransformerConfig, greedy_generate
+from qjax.nn import Transformer, TransformerConfig
 
 
 def test_block_hashes_identify_whole_prefixes():
@@ -46,10 +46,7 @@ def test_cached_prefix_skips_prefill_with_identical_outputs():
     first = engine.generate(prompts[:1], params)  # fills the cache
     outs.append(first + engine.generate(prompts[1:], params))
     stats.append(engine.stats)
-  assert outs[0] == outs[1]
-  for prompt, out in zip(prompts, outs[1]):
-    want = np.asarray(greedy_generate(model, np.asarray([prompt]), 4))[0, len(prompt):]
-    assert out == want.tolist()
+  assert outs[0] == outs[1]  # (tests/infer/test_engine.py: misses == greedy_generate alone)
   # The 3 full pages (12 tokens) of the system prompt are computed once, not three times.
   assert stats[1].prefix_hit_tokens == 2 * 12
   assert stats[0].prefill_tokens - stats[1].prefill_tokens == 2 * 12
