@@ -90,6 +90,21 @@ def test_speculative_sampling_follows_the_target_not_the_draft(target, other, sa
   assert 0.05 < st.alpha < 0.95  # the draft is neither useless nor the target
 
 
+def test_speculative_sampling_is_exact_with_top_k_and_top_p(target, other, sampled_run):
+  """Same shapes as `sampled_run` (no new compile); truncation makes some cells impossible."""
+  prompt, *_ = sampled_run
+  n = 3000
+  params = [SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=10_000 + s)
+            for s in range(n)]
+  out, _ = speculative_generate(target, other, jnp.repeat(prompt, n, 0), 2, params=params,
+                                gamma=2)
+  out_B2 = np.asarray(out[:, 3:])
+  counts = np.bincount(out_B2[:, 0] * V + out_B2[:, 1], minlength=V * V)
+  law = _joint_law(target, prompt, params[0]).ravel()
+  assert (law == 0).sum() > 0  # the filters removed some continuations...
+  assert _chi2_pvalue(counts, law) > 1e-3  # ...and none of those was generated (asserted)
+
+
 def test_measured_alpha_agrees_with_the_tv_estimate(sampled_run):
   *_, st, _ = sampled_run
   sigma = np.sqrt(st.alpha * (1 - st.alpha) / st.reached_G.sum())
