@@ -19,7 +19,7 @@ def test_status_names_the_state():
   assert s == 'available' or any(w in s for w in ('not built', 'failed', 'disabled'))
 
 
-@pytest.mark.parametrize('m', [1, 3, 8, 16])
+@pytest.mark.parametrize('m', [1, 5, 16])
 def test_kernel_matches_numpy(m):
   x = np.asarray(jax.random.normal(KEY[0], (m, 192)), np.float32)
   w = jax.random.normal(KEY[1], (192, 70)) / 8
