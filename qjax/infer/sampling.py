@@ -32,6 +32,7 @@ one compiled step serves any mix of requests.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Optional, Sequence
@@ -197,6 +198,22 @@ def mark_seen(seen_BV: jax.Array, tokens_B: jax.Array) -> jax.Array:
   return seen_BV.at[jnp.arange(seen_BV.shape[0]), tokens_B].set(True)
 
 
+def _rank_cut(x_BV, params):
+  """The smallest logit each row keeps after top-k, then top-p (module docstring), (B, 1)."""
+  v = x_BV.shape[-1]
+  sorted_BV = -jnp.sort(-x_BV, axis=-1)  # descending
+  k_B = jnp.where((params.top_k_B <= 0) | (params.top_k_B > v), v, params.top_k_B)
+  kth_B1 = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)
+  topk_BV = jnp.where(sorted_BV >= kth_B1, sorted_BV, -jnp.inf)
+  probs_BV = jax.nn.softmax(topk_BV, axis=-1)
+  mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+  # top_p = 1 is off outright: rounding can push the mass before the last tokens past 1.
+  keep_BV = (mass_before_BV < params.top_p_B[:, None]) | (params.top_p_B[:, None] >= 1)
+  keep_BV = keep_BV & jnp.isfinite(topk_BV) | (jnp.arange(v) == 0)
+  num_kept_B1 = jnp.sum(keep_BV, axis=-1, keepdims=True)
+  return jnp.take_along_axis(sorted_BV, num_kept_B1 - 1, axis=-1)
+
+
 def processed_logits(logits_BV: jax.Array, params: SamplingBatch,
                      seen_BV: Optional[jax.Array] = None) -> jax.Array:
   """Log-probabilities of the distribution each row samples from (module docstring).
@@ -219,19 +236,13 @@ def processed_logits(logits_BV: jax.Array, params: SamplingBatch,
   greedy_B1 = (params.temperature_B == 0)[:, None]
   x_BV = x_BV / jnp.where(greedy_B1, 1.0, params.temperature_B[:, None])
 
-  sorted_BV = -jnp.sort(-x_BV, axis=-1)  # descending
-  rank_V = jnp.arange(v)
-  k_B = jnp.where((params.top_k_B <= 0) | (params.top_k_B > v), v, params.top_k_B)
-  kth_B1 = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)
-  topk_BV = jnp.where(sorted_BV >= kth_B1, sorted_BV, -jnp.inf)
-  probs_BV = jax.nn.softmax(topk_BV, axis=-1)
-  mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-  # top_p = 1 is off outright: rounding can push the mass before the last tokens past 1.
-  keep_BV = (mass_before_BV < params.top_p_B[:, None]) | (params.top_p_B[:, None] >= 1)
-  keep_BV = keep_BV & jnp.isfinite(topk_BV) | (rank_V == 0)
-  num_kept_B1 = jnp.sum(keep_BV, axis=-1, keepdims=True)
-  cut_B1 = jnp.take_along_axis(sorted_BV, num_kept_B1 - 1, axis=-1)  # smallest kept logit
-  max_B1 = sorted_BV[:, :1]
+  # The sort is the step's cost at a large vocabulary (262k for Gemma): skip it when no row
+  # truncates by rank or mass (greedy, plain temperature and min-p need only the max).
+  truncates_B = (params.temperature_B > 0) & (
+      ((params.top_k_B > 0) & (params.top_k_B < v)) | (params.top_p_B < 1))
+  cut_B1 = jax.lax.cond(jnp.any(truncates_B), functools.partial(_rank_cut, params=params),
+                        lambda x: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype), x_BV)
+  max_B1 = jnp.max(x_BV, axis=-1, keepdims=True)
   min_p_B1 = params.min_p_B[:, None]
   floor_B1 = jnp.where(min_p_B1 > 0, max_B1 + jnp.log(jnp.maximum(min_p_B1, 1e-38)), -jnp.inf)
   keep_BV = (x_BV >= cut_B1) & (x_BV >= floor_B1)
