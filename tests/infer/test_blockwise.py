@@ -18,9 +18,8 @@ def _qkv(b, t, s, n, k, h, seed=0):
 
 
 @pytest.mark.parametrize('n, k, window, cap, block', [
-    (4, 4, None, None, 8), (4, 2, 5, None, 13), (4, 1, None, 1.5, 64), (4, 2, 3, 20.0, 1),
-    (4, 1, 7, None, 29)], ids=['mha', 'gqa_window', 'mqa_softcap', 'gqa_both_block1',
-                               'mqa_one_block'])
+    (4, 4, None, None, 8), (4, 2, 5, 20.0, 13), (4, 1, None, 1.5, 1)],
+    ids=['mha', 'gqa_window_softcap', 'mqa_softcap_block1'])
 def test_equals_dense_over_heads_windows_softcaps_and_block_sizes(n, k, window, cap, block):
   b, t, h = 2, 29, 8
   q, kk, v = _qkv(b, t, t, n, k, h)
