@@ -80,7 +80,7 @@ def test_save_state_into_an_existing_file(tmp_path):
   target = tmp_path / 'not_a_dir'
   target.write_text('')
   with pytest.raises(ValueError, match=rf"save_state: '{target}' exists and is a file"):
-    qckpt.save_state(str(target), Transformer(CFG, rngs=nnx.Rngs(0)))
+    qckpt.save_state(str(target), object())  # refused before the model is touched
 
 
 MODEL, CHIP = 'gemma3_270m', 'h200'
@@ -156,3 +156,13 @@ def test_gguf_cache_entry_is_verified_by_content(tmp_path):
     param_cache.verify_params(param_cache.LazyParams(entry), str(entry))
   assert str(entry) in str(e.value)
   assert os.path.isfile(entry)
+
+
+def test_nan_weights_are_refused_by_every_import_path():
+  # GGUF, the GGUF cache and safetensors all build the model through model_from_params.
+  params = qckpt.model_params(Transformer(CFG, rngs=nnx.Rngs(0)))
+  key = sorted(k for k in params if 'up_proj' in k)[0]
+  params[key] = params[key].copy()
+  params[key].flat[0] = np.inf
+  with pytest.raises(ValueError, match=rf"gguf-file: parameter '{key}' holds 1 NaN/Inf"):
+    qckpt.model_from_params(CFG, params, source='gguf-file')
