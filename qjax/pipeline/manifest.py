@@ -17,10 +17,15 @@ import os
 from qjax import checkpoints as qckpt
 
 MANIFEST_DIR = 'manifests'
-# Config fields that cannot change a run's numbers: where it writes, how often it saves or
-# logs, how it is evaluated, and the switches that allow a changed config or an unfinished run.
-NOT_PROVENANCE = ('workdir', 'checkpoint.', 'train.log_every', 'train.eval_windows',
-                  'train.eval_batch')
+# The config fields a training run's numbers depend on (a config may hold more sections, e.g.
+# demo.py's quant and eval, which training never reads) ...
+PROVENANCE = ('seed', 'data.', 'model.', 'train.')
+# ... but not how often it logs or how it is evaluated.
+NOT_PROVENANCE = ('train.log_every', 'train.eval_windows', 'train.eval_batch')
+
+
+def _matches(key: str, prefixes) -> bool:
+  return any(key == p or (p.endswith('.') and key.startswith(p)) for p in prefixes)
 
 
 def _flat(d: dict, prefix: str = '') -> dict:
@@ -44,7 +49,7 @@ def provenance(config, data_sha256: str) -> dict:
     {'config': {dotted key: value}, 'config_sha256': ..., 'data_sha256': ...}.
   """
   flat = {k: v for k, v in _flat(json.loads(config.to_json())).items()
-          if not any(k == p or (p.endswith('.') and k.startswith(p)) for p in NOT_PROVENANCE)}
+          if _matches(k, PROVENANCE) and not _matches(k, NOT_PROVENANCE)}
   sha = hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
   return {'config': flat, 'config_sha256': sha, 'data_sha256': data_sha256}
 
