@@ -68,6 +68,14 @@ def test_head_layout_paths_equal_dequantize(m):
     q = _quantized((5000, 256), fmt)
     ref = jnp.einsum('BTD,VD->BTV', x, q.dequantize())
     _close(qeinsum('BTD,VD->BTV', x, q), ref, ('auto', fmt.name))
+    if i == 0:  # zero points: never the kernel; V blocks by bit fields, f32 at M = 1
+      qa = _quantized((5000, 256), int_format(4, group_size=64, channel_axes=(0,),
+                                              group_axis=1, symmetric=False))
+      ya, refa = qeinsum('BTD,VD->BTV', x, qa), jnp.einsum('BTD,VD->BTV', x, qa.dequantize())
+      if m == 1:
+        _close(ya, refa, 'asymmetric int4')
+      else:
+        assert float(qjax.sqnr_db(refa, ya)) > 45.0
     if m == 16 or (m == 4 and i != 1):
       continue  # the blocked path: each format once at M = 1 and once (bf16 blocks) at M = 4
     y = jax.jit(lambda x, q: qeinsum('BTD,VD->BTV', x, q, path='tiled'))(x, q)
