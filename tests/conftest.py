@@ -4,6 +4,14 @@ import os
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# A persistent compilation cache shared by the xdist workers and the subprocesses the tests
+# start (they inherit the environment): about half of the suite's CPU time is XLA compiling
+# the same small programs again. Keyed by the program, its options and the jax version, so a
+# stale entry is never used; delete the folder to measure a cold run.
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(
+    os.path.expanduser('~'), '.cache', 'qjax', 'jax-compilation-cache'))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
