@@ -19,6 +19,7 @@ head, `layer_skip_draft`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -97,21 +98,25 @@ def mean_target_logprob(target, tokens_BT: jax.Array, prompt_len: int) -> float:
   return float(jnp.mean(chosen_BT))
 
 
-def step_seconds(model, prompts_BT, repeats: int = 5) -> float:
-  """Median seconds of one warm T = 1 decode step of `model` after prefilling `prompts_BT`."""
+def step_seconds(model, prompts_BT, repeats: int = 5, num_tokens: int = 1) -> float:
+  """Median seconds of one warm cached pass of `num_tokens` tokens after `prompts_BT`.
+
+  num_tokens = 1 is a decode step; gamma + 1 is a speculative verification pass.
+  """
+  prompts_BT = jnp.asarray(prompts_BT, jnp.int32)
   b, t = prompts_BT.shape
-  cache = init_cache(model.config, b, t + repeats + 2, fmt=kv_format(model))
+  cache = init_cache(model.config, b, t + num_tokens, fmt=kv_format(model))
   _, cache = logits_step(model, prompts_BT, cache)
-  tok_B1 = prompts_BT[:, -1:]
-  logits, cache = logits_step(model, tok_B1, cache)  # compile
-  jax.block_until_ready(logits)
+  feed_BT = jnp.repeat(prompts_BT[:, -1:], num_tokens, axis=1)
+  length_B = np.asarray(cache.length)  # host copy: the cache (its length too) is donated
   times = []
-  for _ in range(repeats):
+  for i in range(repeats + 1):  # the first call compiles
     t0 = time.perf_counter()
-    logits, cache = logits_step(model, tok_B1, cache)
+    logits, cache = logits_step(model, feed_BT, cache)
     jax.block_until_ready(logits)
     times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+    cache = dataclasses.replace(cache, length=jnp.asarray(length_B))  # the same pass again
+  return float(np.median(times[1:]))
 
 
 def run_point(target, draft, prompts_BT, *, gamma: int, temperature: float,
