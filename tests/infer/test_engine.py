@@ -30,7 +30,9 @@ def model():
 
 def test_batched_outputs_equal_greedy_generation_alone(model):
   """4 requests, 2 rows: requests join as others leave, prompts prefill in chunks of 8."""
-  engine = Engine(model, EngineConfig(max_batch=2, page_size=4, num_pages=32, chunk_size=8))
+  # A pool size no other test uses: its steps are compiled here (executables are shared
+  # between engines of equal shapes, and compilations counts only this engine's).
+  engine = Engine(model, EngineConfig(max_batch=2, page_size=4, num_pages=31, chunk_size=8))
   params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
   outs = engine.generate(_prompts(), params)
   for prompt, n, out in zip(_prompts(), MAX_TOKENS, outs):
@@ -39,7 +41,7 @@ def test_batched_outputs_equal_greedy_generation_alone(model):
   assert 1 <= st.compilations <= len(engine.buckets) == 2  # T in {1, 8}
   assert st.prefill_tokens == sum(PROMPT_LENS) and st.preemptions == 0
   assert st.decode_tokens == sum(MAX_TOKENS) - len(MAX_TOKENS)
-  assert engine.allocator.num_free == 31  # every page returned
+  assert engine.allocator.num_free == 30  # every page returned
   assert st.paged_waste < st.contiguous_waste
 
 
