@@ -28,6 +28,15 @@ def _close(y, ref, what):
   assert y.shape == ref.shape and err <= bound, (what, err, bound)
 
 
+def _close_auto(y, ref, m, what):
+  """`auto`: exact up to summation order on the kernel and at M = 1; without the kernel, M > 1
+  takes the bf16 x bf16 -> f32 tiles (activations and tiles rounded to bf16: ~50 dB)."""
+  if kernels.available() or m == 1:
+    _close(y, ref, what)
+  else:
+    assert y.shape == ref.shape and float(qjax.sqnr_db(ref, y)) > 45.0, what
+
+
 @functools.lru_cache(maxsize=None)
 def _quantized(shape, fmt, key=0):
   return quantize(jax.random.normal(KEY[key], shape) / 16, fmt)
@@ -39,7 +48,7 @@ def test_auto_path_equals_dequantize_at_decode_shapes(m):
   for fmt in KN_FORMATS:
     q = _quantized((256, 130), fmt)  # 130: odd packed half length (65 bytes)
     ref = jnp.einsum('BTD,DF->BTF', x, q.dequantize())
-    _close(qeinsum('BTD,DF->BTF', x, q), ref, (fmt.name, m))
+    _close_auto(qeinsum('BTD,DF->BTF', x, q), ref, m, (fmt.name, m))
 
 
 @pytest.mark.parametrize('m', [1, 16])
@@ -49,14 +58,14 @@ def test_auto_path_multi_axis_layouts(m):
   w = jax.random.normal(KEY[3], (4, 64, 96)) / 16
   q = quantize(w, int_format(4, group_size=32, group_axis=1, channel_axes=(2,)))
   ref = jnp.einsum('BTNH,NHD->BTD', x, q.dequantize())
-  _close(qeinsum('BTNH,NHD->BTD', x, q), ref, 'o_proj')
+  _close_auto(qeinsum('BTNH,NHD->BTD', x, q), ref, m, 'o_proj')
   w2 = jax.random.normal(KEY[4], (64, 4, 9)) / 16
   x2 = jax.random.normal(KEY[5], (1, m, 64))
   for fmt in [int_format(4, group_size=16, group_axis=0, channel_axes=(1, 2)),
               int_format(8, channel_axes=(1, 2))]:
     q2 = quantize(w2, fmt)
     ref2 = jnp.einsum('TBD,DNH->BTNH', x2, q2.dequantize())
-    _close(qeinsum('TBD,DNH->BTNH', x2, q2), ref2, fmt.name)
+    _close_auto(qeinsum('TBD,DNH->BTNH', x2, q2), ref2, m, fmt.name)
 
 
 @pytest.mark.parametrize('m', [1, 4, 16])
@@ -67,7 +76,7 @@ def test_head_layout_paths_equal_dequantize(m):
   for i, fmt in enumerate(HEAD_FORMATS):
     q = _quantized((5000, 256), fmt)
     ref = jnp.einsum('BTD,VD->BTV', x, q.dequantize())
-    _close(qeinsum('BTD,VD->BTV', x, q), ref, ('auto', fmt.name))
+    _close_auto(qeinsum('BTD,VD->BTV', x, q), ref, m, ('auto', fmt.name))
     if i == 0:  # zero points: never the kernel; V blocks by bit fields, f32 at M = 1
       qa = _quantized((5000, 256), int_format(4, group_size=64, channel_axes=(0,),
                                               group_axis=1, symmetric=False))
@@ -122,7 +131,10 @@ def test_projection_temp_memory_is_a_fraction_of_the_codes():
     for m in [1, 16]:
       x = jnp.ones((m, 2048))
       temp = _temp_bytes(lambda x, q: qjax.qdot(x, q), x, q)
-      assert temp <= 0.10 * q.nbytes, (fmt.name, m, temp, q.nbytes)
+      if kernels.available():  # the kernel: no float tile at all
+        assert temp <= 0.10 * q.nbytes, (fmt.name, m, temp, q.nbytes)
+      else:  # the XLA row tiles: a float tile of at most 1/8 of the weight, and its fields
+        assert temp <= 4 * w.size / 6, (fmt.name, m, temp)
 
 
 def test_integer_activations_are_rejected_with_their_dtype():
