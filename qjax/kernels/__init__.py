@@ -37,6 +37,11 @@ _LOCK = threading.Lock()
 _STATE: dict = {}
 
 
+def _stamp() -> Optional[str]:
+  stamp = LIBRARY.with_suffix('.jax')
+  return stamp.read_text().strip() if stamp.is_file() else None
+
+
 def _load() -> Optional[str]:
   """Load and register the library once; None when it is usable, else why not."""
   with _LOCK:
@@ -47,6 +52,9 @@ def _load() -> Optional[str]:
       reason = 'disabled by QJAX_CPU_KERNEL=0'
     elif not LIBRARY.is_file():
       reason = f'not built ({LIBRARY.name} missing: run python -m qjax.kernels.build)'
+    elif _stamp() != jax.__version__:
+      reason = (f'not built for this jax (built for {_stamp() or "an unknown jax"}, running '
+                f'{jax.__version__}: run python -m qjax.kernels.build)')
     else:
       try:
         lib = ctypes.cdll.LoadLibrary(str(LIBRARY))

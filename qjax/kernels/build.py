@@ -55,6 +55,8 @@ def build(verbose: bool = True) -> bool:
     say(f'qjax.kernels: compiling failed ({first}); the XLA paths are used.')
     return False
   tmp.replace(LIBRARY)
+  # The FFI ABI belongs to the jaxlib whose headers built it: loading checks this stamp.
+  LIBRARY.with_suffix('.jax').write_text(jax.__version__)
   say(f'qjax.kernels: built {LIBRARY}')
   return True
 
