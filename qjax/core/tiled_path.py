@@ -38,12 +38,14 @@ def parse_spec(spec: str) -> tuple[str, str, str]:
 def quantize_rows(x, reduce_axes, act_kind):
   """Symmetric per-row quantization of activations (rows = all non-reduced axes)."""
   amax = jnp.max(jnp.abs(x), axis=reduce_axes, keepdims=True)
+  # `amax == 0`, not `amax > 0`: a NaN row keeps a NaN scale, so the NaN reaches the output
+  # (under jit nothing else would report it) instead of becoming codes of 0 at scale 1.
   if act_kind == 'int':
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    scale = jnp.where(amax == 0, 1.0, amax / 127.0)
     return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
   dt = FLOAT_KINDS[act_kind]
   fmax = float(jnp.finfo(dt).max)
-  scale = jnp.where(amax > 0, amax / fmax, 1.0)
+  scale = jnp.where(amax == 0, 1.0, amax / fmax)
   return jnp.clip(x / scale, -fmax, fmax).astype(dt), scale
 
 

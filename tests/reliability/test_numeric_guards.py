@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qjax.core import QFormat, dequantize, fake_quant, int_format, quantize
+from qjax.core import QFormat, dequantize, fake_quant, int_format, qeinsum, quantize
 from qjax.nn import Transformer
 from qjax.nn.transformer import check_token_ids
 
@@ -56,6 +56,17 @@ def test_nan_propagates_under_jit(name, fn):
   assert np.isnan(y[0, 2]), name            # the NaN itself is never a plausible number
   assert np.isfinite(y[1]).all(), name      # other scales' tiles are untouched
   np.testing.assert_allclose(y[1], [1, 2, 3, 4], atol=0.05)
+
+
+@pytest.mark.parametrize('path,act', [('int8', int_format(8)), ('tiled', None)])
+def test_nan_activation_reaches_the_output_of_a_jitted_qeinsum(path, act):
+  # W8A8 quantizes activations per row under jit: a NaN row must stay NaN, not become codes.
+  w = quantize(jnp.linspace(-1, 1, 4 * 8).reshape(4, 8), int_format(8, channel_axes=(1,)))
+  f = jax.jit(lambda x: qeinsum('MD,DF->MF', x, w, act_fmt=act, path=path))
+  y = np.asarray(f(X))
+  assert np.isnan(y[0]).all(), path
+  np.testing.assert_allclose(y[1], np.asarray(X[1]) @ np.asarray(dequantize(w)), rtol=0.02,
+                             atol=0.02)
 
 
 def test_nan_propagates_through_a_jitted_qat_forward(model):
