@@ -12,16 +12,17 @@ __all__ = [
     "Attention", "Block", "Einsum", "EinsumQuant", "Embed", "KVCache", "LayerReport", "MLP",
     "QWeight", "QuantPolicy", "QuantReport", "QuantRule", "RMSNorm", "Transformer",
     "TransformerConfig",
-    "apply_fake_quant", "apply_rope", "attend", "attention_mask", "einsum_layers",
-    "greedy_generate", "greedy_step", "init_cache", "kv_format", "model_report", "num_params",
+    "apply_fake_quant", "apply_rope", "attend", "attend_blockwise", "attention_mask",
+    "check_token_ids", "decode_step", "einsum_layers", "greedy_generate", "greedy_step",
+    "init_cache", "logits_step", "online_attend", "kv_format", "model_report", "num_params",
     "param_count", "quantize_model", "resolve_format", "set_kv_format", "weight_bytes",
     "with_kv_format",
 ]
 
-from qjax.nn.attention import (Attention, attend, attention_mask, kv_format, set_kv_format,
-                               with_kv_format)
+from qjax.nn.attention import (Attention, attend, attend_blockwise, attention_mask, kv_format,
+                               online_attend, set_kv_format, with_kv_format)
 from qjax.nn.config import TransformerConfig, num_params
-from qjax.nn.generate import greedy_generate, greedy_step
+from qjax.nn.generate import decode_step, greedy_generate, greedy_step, logits_step
 from qjax.nn.kvcache import KVCache, init_cache
 from qjax.nn.einsum_quant import EinsumQuant
 from qjax.nn.layers import Einsum, Embed, QWeight, RMSNorm
@@ -30,4 +31,4 @@ from qjax.nn.policy import (QuantPolicy, QuantRule, apply_fake_quant, quantize_m
 from qjax.nn.report import (LayerReport, QuantReport, einsum_layers, model_report, param_count,
                             weight_bytes)
 from qjax.nn.rope import apply_rope
-from qjax.nn.transformer import MLP, Block, Transformer
+from qjax.nn.transformer import MLP, Block, Transformer, check_token_ids
