@@ -60,7 +60,8 @@ def decode_step(model: nnx.Module, tokens_BT: jax.Array, cache: KVCache,
   Returns:
     (out, cache): what `pick` returned, and the cache advanced by T.
   """
-  graphdef, state = nnx.split(model)
+  graphdef, state = nnx.split(model)  # before the check: it overlaps the running step
+  kvcache.check_fits(cache, tokens_BT.shape[1])  # reads the lengths: waits for that step
   return _pick_step(graphdef, state, tokens_BT, cache, pick, pick_args)
 
 
@@ -70,7 +71,8 @@ def logits_step(model: nnx.Module, tokens_BT: jax.Array,
 
   The cache passed in is donated (its buffers are reused); use the returned one.
   """
-  graphdef, state = nnx.split(model)
+  graphdef, state = nnx.split(model)  # before the check: it overlaps the running step
+  kvcache.check_fits(cache, tokens_BT.shape[1])  # reads the lengths: waits for that step
   return _logits_step(graphdef, state, tokens_BT, cache)
 
 
@@ -78,9 +80,11 @@ def greedy_step(model: nnx.Module, tokens_BT: jax.Array,
                 cache: KVCache) -> tuple[jax.Array, KVCache]:
   """Feed `tokens_BT` through the cached model; the argmax next token_B and the new cache.
 
-  The cache passed in is donated (its buffers are reused); use the returned one.
+  The cache passed in is donated (its buffers are reused); use the returned one. A step that
+  would write past the cache's max_len raises here, on the host, naming the row.
   """
-  graphdef, state = nnx.split(model)
+  graphdef, state = nnx.split(model)  # before the check: it overlaps the running step
+  kvcache.check_fits(cache, tokens_BT.shape[1])  # reads the lengths: waits for that step
   return _greedy_step(graphdef, state, tokens_BT, cache)
 
 

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from qjax.core import int_format
-from qjax.nn import (Transformer, TransformerConfig, greedy_generate, init_cache, kv_format,
-                     kvcache, with_kv_format)
+from qjax.nn import (Transformer, TransformerConfig, greedy_generate, greedy_step, init_cache,
+                     kv_format, kvcache, logits_step, with_kv_format)
 from qjax.nn.attention import attend
 from qjax.nn.rope import apply_rope
 
@@ -124,13 +124,14 @@ def test_bad_kv_formats_are_clear_value_errors():
     kv_format(m4)
 
 
-def test_writing_past_the_cache_inside_jit_is_an_error():
-  """The jitted step raises (host callback) instead of clamping onto the last slots."""
+def test_writing_past_the_cache_at_the_step_boundary_is_an_error():
+  """The jitted step functions check on the host before they dispatch: an overflowing step
+  raises, naming the row, instead of clamping onto the last slots."""
   model = Transformer(CFG, rngs=nnx.Rngs(0))
-  state, _, step = _forwards(model)
-  _, cache = step(state, _tokens(2, 6), init_cache(CFG, 2, 8))
-  logits, fits = step(state, _tokens(2, 2), cache)  # exactly full: fine
+  _, cache = greedy_step(model, _tokens(2, 6), init_cache(CFG, 2, 8))
+  _, fits = greedy_step(model, _tokens(2, 2), cache)  # exactly full: fine
   np.testing.assert_array_equal(fits.length, [8, 8])
-  with pytest.raises(Exception, match='row 0 has 8 cached \\+ 1 new tokens exceed the cache '
-                                      'max_len=8'):
-    jax.block_until_ready(step(state, _tokens(2, 1), fits))
+  for step in (greedy_step, logits_step):
+    with pytest.raises(ValueError, match='row 0 has 8 cached \\+ 1 new tokens exceed the '
+                                         'cache max_len=8'):
+      step(model, _tokens(2, 1), fits)
