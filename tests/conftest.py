@@ -33,3 +33,19 @@ def eight_devices():
 def repo_root():
   import pathlib  # pylint: disable=g-import-not-at-top
   return pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def run_notebook(repo_root, monkeypatch):
+  """Execute colab/<name> with nbclient under `env`; returns (printed text, all outputs)."""
+  def run(name, **env):
+    import nbformat  # pylint: disable=g-import-not-at-top
+    from nbclient import NotebookClient  # pylint: disable=g-import-not-at-top
+    for key, value in {'XLA_FLAGS': '', **env}.items():
+      monkeypatch.setenv(key, value)
+    nb = nbformat.read(repo_root / 'colab' / name, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name='python3',
+                   resources={'metadata': {'path': str(repo_root / 'colab')}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == 'code' for o in c.get('outputs', [])]
+    return ''.join(o.get('text', '') for o in outputs), outputs
+  return run

@@ -89,16 +89,8 @@ def test_bad_requests_are_refused_and_others_unaffected(model):
   assert engine.output(ok) == _alone(model, _prompts()[0], 6)
 
 
-def test_engine_notebook_runs(repo_root, monkeypatch):
-  import nbformat  # pylint: disable=g-import-not-at-top
-  from nbclient import NotebookClient  # pylint: disable=g-import-not-at-top
-  monkeypatch.setenv('QJAX_NB_SMALL', '1')
-  monkeypatch.setenv('XLA_FLAGS', '')
-  nb = nbformat.read(repo_root / 'colab' / 'engine.ipynb', as_version=4)
-  NotebookClient(nb, timeout=600, kernel_name='python3',
-                 resources={'metadata': {'path': str(repo_root / 'colab')}}).execute()
-  outputs = [o for c in nb.cells if c.cell_type == 'code' for o in c.get('outputs', [])]
-  text = ''.join(o.get('text', '') for o in outputs)
+def test_engine_notebook_runs(run_notebook):
+  text, outputs = run_notebook('engine.ipynb', QJAX_NB_SMALL='1')
   assert 'engine outputs == greedy_generate alone for 1 request(s)' in text
   assert 'prefix hits: [0, ' in text
   assert any('image/png' in o.get('data', {}) for o in outputs)
