@@ -1,7 +1,7 @@
 """Checkpoints: Orbax save/restore of (quantized) models and conversion records."""
 
 from qjax.checkpoints.records import (FIELD_TYPES, RECORD_NAME, REQUIRED_FIELDS,
-                                      content_sha256, conversion_record, digest, file_sha256,
+                                      check_tree_hashes, content_sha256, conversion_record, digest, file_sha256,
                                       hardware_info, read_record, record_sha256, runtime_info,
                                       tree_sha256, validate_record, write_record)
 from qjax.checkpoints.orbax_io import restore_state, save_state
@@ -17,7 +17,8 @@ from qjax.checkpoints.tokenizer import build_tokenizer, check_vocab, gguf_tokeni
 
 __all__ = [
     'FIELD_TYPES', 'GEMMA3_FACTS', 'RECORD_NAME', 'REQUIRED_FIELDS', 'build_tokenizer',
-    'check_fingerprint', 'check_vocab', 'content_sha256', 'fingerprint_tokens',
+    'check_fingerprint', 'check_tree_hashes', 'check_vocab', 'content_sha256',
+    'fingerprint_tokens',
     'logits_fingerprint', 'record_sha256', 'validate_record',
     'digest', 'file_sha256', 'gemma3_270m_path', 'gguf_config', 'gguf_tokenizer',
     'hardware_info', 'hf_config', 'load_gemma3_270m', 'load_gguf', 'load_quantized',

@@ -98,6 +98,23 @@ def _leaf_bytes(leaf) -> tuple[str, tuple[int, ...], bytes]:
   return a.dtype.name, tuple(a.shape), a.tobytes()
 
 
+def check_tree_hashes(root: str, expected: dict[str, str], *, missing, changed, extra) -> None:
+  """Raise ValueError unless the regular files under `root` hash exactly to `expected`.
+
+  `missing(rel)`, `changed(rel, actual_sha, expected_sha)` and `extra(rels)` build the
+  messages, so each caller names its own artifact and fix.
+  """
+  actual = tree_sha256(root)
+  for rel, sha in expected.items():
+    if rel not in actual:
+      raise ValueError(missing(rel))
+    if actual[rel] != sha:
+      raise ValueError(changed(rel, actual[rel], sha))
+  surplus = sorted(set(actual) - set(expected))
+  if surplus:
+    raise ValueError(extra(surplus))
+
+
 def content_sha256(tree: Any) -> str:
   """One sha256 over a pytree's arrays: each leaf's path, dtype, shape and bytes, in order.
 
@@ -319,17 +336,14 @@ def read_record(out_dir: str, verify: bool = True) -> dict:
                        f'({record[HASH_FIELD][:16]}...): a field was edited after the '
                        'conversion (e.g. model_config or policy, which rebuild the model); '
                        're-run the conversion or restore the original record.')
-    actual = tree_sha256(out_dir)
-    for rel, sha in record['artifacts'].items():
-      if rel not in actual:
-        raise ValueError(f'artifact {rel!r} listed in {path} is missing from {out_dir!r}; the '
-                         'checkpoint is incomplete: re-run the conversion.')
-      if actual[rel] != sha:
-        raise ValueError(f'artifact {rel!r} in {out_dir!r} has sha256 {actual[rel][:16]}... but '
-                         f'the conversion record says {sha[:16]}...: the file was modified or '
-                         'corrupted; re-run the conversion or restore the original file.')
-    extra = sorted(set(actual) - set(record['artifacts']))
-    if extra:
-      raise ValueError(f'{out_dir!r} holds files the conversion record does not list: '
-                       f'{extra[:5]}; remove them or re-run the conversion.')
+    check_tree_hashes(
+        out_dir, record['artifacts'],
+        missing=lambda rel: (f'artifact {rel!r} listed in {path} is missing from {out_dir!r}; '
+                             'the checkpoint is incomplete: re-run the conversion.'),
+        changed=lambda rel, got, want: (
+            f'artifact {rel!r} in {out_dir!r} has sha256 {got[:16]}... but the conversion '
+            f'record says {want[:16]}...: the file was modified or corrupted; re-run the '
+            'conversion or restore the original file.'),
+        extra=lambda rels: (f'{out_dir!r} holds files the conversion record does not list: '
+                            f'{rels[:5]}; remove them or re-run the conversion.'))
   return record

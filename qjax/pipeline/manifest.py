@@ -133,19 +133,16 @@ def verify_checkpoint(workdir: str, step: int) -> dict:
                      f'({manifest_path(workdir, step)}): it was written by an older qjax or '
                      'its save was interrupted, so its integrity cannot be checked. Retrain '
                      'into a new workdir.')
-  actual = qckpt.tree_sha256(step_dir(workdir, step))
-  for rel, sha in manifest['files'].items():
-    if rel not in actual:
-      raise ValueError(f'checkpoint {step} of {workdir!r}: file {rel!r} listed in its manifest '
-                       'is missing; the checkpoint is incomplete (retrain or restore it).')
-    if actual[rel] != sha:
-      raise ValueError(f'checkpoint {step} of {workdir!r}: file {rel!r} has sha256 '
-                       f'{actual[rel][:16]}... but its manifest says {sha[:16]}...: the '
-                       'checkpoint is corrupted (retrain or restore the file).')
-  extra = sorted(set(actual) - set(manifest['files']))
-  if extra:
-    raise ValueError(f'checkpoint {step} of {workdir!r} holds files its manifest does not list: '
-                     f'{extra[:5]}; remove them or retrain.')
+  what = f'checkpoint {step} of {workdir!r}'
+  qckpt.check_tree_hashes(
+      step_dir(workdir, step), manifest['files'],
+      missing=lambda rel: (f'{what}: file {rel!r} listed in its manifest is missing; the '
+                           'checkpoint is incomplete (retrain or restore it).'),
+      changed=lambda rel, got, want: (
+          f'{what}: file {rel!r} has sha256 {got[:16]}... but its manifest says '
+          f'{want[:16]}...: the checkpoint is corrupted (retrain or restore the file).'),
+      extra=lambda rels: (f'{what} holds files its manifest does not list: {rels[:5]}; '
+                          'remove them or retrain.'))
   return manifest
 
 
