@@ -29,7 +29,7 @@ from flax import nnx
 from qjax.infer import paged
 from qjax.infer.prefix_cache import PrefixCache
 from qjax.infer.sampling import SamplingBatch, SamplingParams, finish_reason, row_keys, sample
-from qjax.infer.scheduler import Scheduler
+from qjax.infer.scheduler import PREEMPTION_MODES, Scheduler
 from qjax.infer.scheduler import Sequence as SeqState
 from qjax.nn.attention import kv_format
 from qjax.nn.kvcache import check_format
@@ -50,6 +50,8 @@ class EngineConfig:
     kv_format: None (the model's `kv_format`, float when it has none) or a KV format name.
     prefix_caching: share full pages of identical prompt prefixes.
     ring: sliding-window layers keep a ring of pages (off with prefix caching).
+    preemption: 'recompute' (a preempted request recomputes its prompt and output when
+      readmitted) or 'swap' (its cached pages are copied to host memory and restored).
   """
 
   max_batch: int = 4
@@ -60,8 +62,12 @@ class EngineConfig:
   kv_format: Optional[str] = None
   prefix_caching: bool = False
   ring: bool = True
+  preemption: str = 'recompute'
 
   def __post_init__(self):
+    if self.preemption not in PREEMPTION_MODES:
+      raise ValueError(f'EngineConfig: preemption={self.preemption!r} is unknown; use one of '
+                       f'{PREEMPTION_MODES}.')
     for name in ('max_batch', 'page_size', 'num_pages', 'chunk_size'):
       v = getattr(self, name)
       if not isinstance(v, int) or v < 1:
@@ -77,6 +83,9 @@ class EngineStats:
   compilations: int = 0
   prefix_hit_tokens: int = 0
   preemptions: int = 0
+  swaps_out: int = 0  # preemptions that copied pages to the host (preemption='swap')
+  swaps_in: int = 0
+  swapped_bytes: int = 0  # bytes copied to the host, summed over swaps
   allocated_slots: int = 0  # summed over steps and layers: pages held * P
   used_slots: int = 0  # summed over steps and layers: positions held
   contiguous_slots: int = 0  # summed over steps and layers: max_len per running request
@@ -144,7 +153,9 @@ class Engine:
     self.scheduler = Scheduler(max_batch=config.max_batch, chunk_size=config.chunk_size,
                                page_size=p, max_pages=self.max_pages, max_len=self.max_len,
                                allocator=self.allocator, ring_allocator=self.ring_allocator,
-                               ring_pages=ring_pages, prefix_cache=self.prefix_cache)
+                               ring_pages=ring_pages, prefix_cache=self.prefix_cache,
+                               preemption=config.preemption, swap_out=self._swap_out,
+                               swap_in=self._swap_in)
     self.cache = paged.init_paged_cache(
         cfg, num_pages=config.num_pages, page_size=p, batch=config.max_batch,
         max_pages=self.max_pages, ring_pages=ring_pages, num_ring_pages=num_ring,
@@ -155,6 +166,18 @@ class Engine:
     self._traces_before = _TRACES[0]
     self._ids = itertools.count()
     self._seqs: dict[str, SeqState] = {}
+
+  # ---- swap preemption (the scheduler calls these while it plans a step) ----------------
+  def _swap_out(self, seq: SeqState):
+    """Host copy of the pages holding `seq`'s cached positions (and its ring)."""
+    pages = seq.pages[:self.scheduler.pages_for(seq.num_cached)]
+    host, nbytes = paged.read_pages(self.cache, pages, seq.ring_pages)
+    self.stats.swapped_bytes += nbytes
+    return len(pages), host
+
+  def _swap_in(self, seq: SeqState, handle) -> None:
+    n, host = handle
+    self.cache = paged.write_pages(self.cache, seq.pages[:n], seq.ring_pages, host)
 
   # ---- requests ----------------------------------------------------------------------------
   def add_request(self, prompt: Union[str, Sequence[int]],
@@ -266,6 +289,7 @@ class Engine:
       st.allocated_slots += (n_full * len(seq.pages) + n_ring * len(seq.ring_pages)) * p
       st.contiguous_slots += len(ring) * self.max_len
     st.preemptions = self.scheduler.preemptions
+    st.swaps_out, st.swaps_in = self.scheduler.swaps_out, self.scheduler.swaps_in
     if self.prefix_cache is not None:
       st.prefix_hit_tokens = self.prefix_cache.hits * p
 

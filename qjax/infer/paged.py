@@ -20,12 +20,14 @@ page 0 out.
 attends over it through its `write`/`attend` methods, the protocol `qjax.nn.kvcache`
 documents). `PageAllocator` is the host half: free pages, reference counts (prefix sharing).
 `forward` runs a model against the cache; `check_step` is the host check at the step
-boundary that makes an overflowing write an error.
+boundary that makes an overflowing write an error; `read_pages` / `write_pages` copy a
+sequence's pages to host memory and back (swap preemption).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence, Union
 
 import jax
@@ -236,6 +238,68 @@ def forward(model: nnx.Module, tokens_BT: jax.Array,
   positions_BT = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
   x_BTD, cache = model.blocks(model.embed_tokens(tokens_BT), positions_BT, cache)
   return x_BTD, dataclasses.replace(cache, length=cache.length + cache.num_new)
+
+
+@jax.jit
+def _gather_pages(cache: PagedKVCache, pages_N: jax.Array, ring_R: jax.Array):
+  pick = lambda layer, pool: jax.tree.map(
+      lambda x: x[ring_R if cache.ring[layer] else pages_N], pool)
+  return (tuple(pick(i, pool) for i, pool in enumerate(cache.k)),
+          tuple(pick(i, pool) for i, pool in enumerate(cache.v)))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_pages(cache: PagedKVCache, pages_N: jax.Array, ring_R: jax.Array, k, v):
+  def put(layer, pool, data):
+    idx = ring_R if cache.ring[layer] else pages_N
+    return jax.tree.map(lambda x, d: x.at[idx].set(d), pool, data)
+  return dataclasses.replace(
+      cache, k=tuple(put(i, pool, d) for i, (pool, d) in enumerate(zip(cache.k, k))),
+      v=tuple(put(i, pool, d) for i, (pool, d) in enumerate(zip(cache.v, v))))
+
+
+def _padded_pages(cache: PagedKVCache, pages: Sequence[int], ring_pages: Sequence[int]):
+  """Page ids padded to fixed lengths with the sink page (one compilation of each copy)."""
+  if len(pages) > cache.max_pages:
+    raise ValueError(f'paged KV cache: {len(pages)} pages exceed a block table of '
+                     f'{cache.max_pages}.')
+  num_ring = cache.ring_table.shape[1]
+  if any(cache.ring) and len(ring_pages) != num_ring:
+    raise ValueError(f'paged KV cache: a ring of {len(ring_pages)} pages; the ring layers '
+                     f'hold {num_ring} per sequence.')
+  pages_N = np.full(cache.max_pages, SINK_PAGE, np.int32)
+  pages_N[:len(pages)] = pages
+  ring_R = np.full(max(num_ring, 1), SINK_PAGE, np.int32)
+  ring_R[:len(ring_pages)] = ring_pages
+  return jnp.asarray(pages_N), jnp.asarray(ring_R)
+
+
+def read_pages(cache: PagedKVCache, pages: Sequence[int], ring_pages: Sequence[int] = ()):
+  """A host (numpy) copy of `pages` of every full layer and `ring_pages` of every ring layer.
+
+  Args:
+    cache: the device cache.
+    pages: block-table pages, logical order (at most `max_pages`).
+    ring_pages: the sequence's ring (all R of them), when the cache has ring layers.
+
+  Returns:
+    (host, nbytes): the copy (pass it to `write_pages`) and the bytes of the copied pages
+    (the sink-page padding that keeps one compiled shape is not counted).
+  """
+  k, v = jax.device_get(_gather_pages(cache, *_padded_pages(cache, pages, ring_pages)))
+  nbytes = 0
+  for layer, pool in enumerate(cache.k + cache.v):
+    n = len(ring_pages) if cache.ring[layer % len(cache.ring)] else len(pages)
+    nbytes += n * sum(x.nbytes // x.shape[0] for x in jax.tree.leaves(pool))
+  return (k, v), nbytes
+
+
+def write_pages(cache: PagedKVCache, pages: Sequence[int], ring_pages: Sequence[int],
+                host) -> PagedKVCache:
+  """`cache` with `read_pages`' copy written into `pages` / `ring_pages` (fresh pages may
+  differ from the ones it was read from; their number must be at least the copied ones)."""
+  k, v = host
+  return _scatter_pages(cache, *_padded_pages(cache, pages, ring_pages), k, v)
 
 
 def check_step(names: Sequence[str], lengths: Sequence[int], num_new: Sequence[int],

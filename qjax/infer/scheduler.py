@@ -7,8 +7,11 @@ requests join when a row is free and the pool has the pages of their first chunk
 (admission by free pages, first come first served); finished ones leave at once. When a
 running sequence needs a page and none is free, the most recently admitted other sequence
 is preempted: its pages are freed and it waits again at the front of the queue with its
-prompt and the tokens generated so far, which it recomputes when readmitted (vLLM's
-recompute preemption), so its output is unchanged.
+prompt and the tokens generated so far. With `preemption='recompute'` (vLLM's default) it
+recomputes them when readmitted; with `preemption='swap'` the pages holding its cached
+positions are first copied to host memory (`swap_out`) and written back into fresh pages
+when it is readmitted (`swap_in`), so it resumes where it stopped. Either way its output is
+unchanged.
 
 A request that could never run (prompt + max tokens past the context, or more pages than
 the whole pool) is refused when it is added, with the numbers and the fix.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from qjax.infer.paged import PageAllocator
 from qjax.infer.prefix_cache import PrefixCache
@@ -38,6 +41,7 @@ class Sequence:
     pages: block-table pages (logical order); ring_pages: its ring (ring layers).
     row: the batch row it runs in, or None while waiting.
     prefix_hit_tokens: prompt positions taken from the prefix cache at admission.
+    swapped: the host copy of its cached pages while it waits swapped out, else None.
   """
 
   id: str
@@ -52,6 +56,7 @@ class Sequence:
   prefix_hit_tokens: int = 0
   finished: bool = False
   logprobs: list[float] = dataclasses.field(default_factory=list)
+  swapped: Any = None
 
   @property
   def tokens(self) -> list[int]:
@@ -70,13 +75,32 @@ class StepPlan:
   num_new: list[int]
 
 
+PREEMPTION_MODES = ('recompute', 'swap')
+
+
 class Scheduler:
-  """FCFS continuous batching over `max_batch` rows with paged memory."""
+  """FCFS continuous batching over `max_batch` rows with paged memory.
+
+  With `preemption='swap'`, `swap_out(seq) -> handle` copies the pages holding `seq`'s first
+  `num_cached` positions (`seq.pages[:pages_for(num_cached)]`, and its ring) to the host
+  before they are freed, and `swap_in(seq, handle)` writes them into `seq.pages` /
+  `seq.ring_pages` (fresh pages) when it is readmitted.
+  """
 
   def __init__(self, *, max_batch: int, chunk_size: int, page_size: int, max_pages: int,
                max_len: int, allocator: PageAllocator,
                ring_allocator: Optional[PageAllocator] = None, ring_pages: int = 0,
-               prefix_cache: Optional[PrefixCache] = None):
+               prefix_cache: Optional[PrefixCache] = None, preemption: str = 'recompute',
+               swap_out: Optional[Callable[[Sequence], Any]] = None,
+               swap_in: Optional[Callable[[Sequence, Any], None]] = None):
+    if preemption not in PREEMPTION_MODES:
+      raise ValueError(f'Scheduler: preemption={preemption!r} is unknown; use one of '
+                       f'{PREEMPTION_MODES}.')
+    if preemption == 'swap' and (swap_out is None or swap_in is None):
+      raise ValueError("Scheduler: preemption='swap' needs swap_out= and swap_in= (the "
+                       'copies between device pages and host memory).')
+    self.preemption, self.swap_out, self.swap_in = preemption, swap_out, swap_in
+    self.swaps_out = self.swaps_in = 0
     self.max_batch, self.chunk_size, self.page_size = max_batch, chunk_size, page_size
     self.max_pages, self.max_len = max_pages, max_len
     self.allocator, self.ring_allocator, self.ring_pages = allocator, ring_allocator, ring_pages
@@ -133,9 +157,14 @@ class Scheduler:
       self.running.remove(seq)
 
   def _preempt(self, seq: Sequence) -> None:
-    self.release(seq)
-    seq.num_cached = 0  # recompute prompt + output on readmission
-    seq.prefix_hit_tokens = 0
+    if self.preemption == 'swap':
+      seq.swapped = self.swap_out(seq)  # before release: the pages still hold its positions
+      self.swaps_out += 1
+      self.release(seq)
+    else:
+      self.release(seq)
+      seq.num_cached = 0  # recompute prompt + output on readmission
+      seq.prefix_hit_tokens = 0
     self.waiting.appendleft(seq)
     self.preemptions += 1
 
@@ -154,6 +183,8 @@ class Scheduler:
     return True
 
   def _admit(self, seq: Sequence, row: int) -> bool:
+    if seq.swapped is not None:
+      return self._swap_back(seq, row)
     hit = []
     if self.prefix_cache is not None and not seq.output:
       # Leave the prompt's last token to compute: its logits give the first output token.
@@ -176,6 +207,26 @@ class Scheduler:
       seq.num_cached = seq.prefix_hit_tokens = 0
       return False
     seq.pages, seq.ring_pages, seq.row = hit + pages, ring, row
+    self.running.append(seq)
+    return True
+
+  def _swap_back(self, seq: Sequence, row: int) -> bool:
+    """Readmit a swapped-out `seq`: fresh pages for its cached positions and next chunk."""
+    n = min(self.chunk_size, seq.num_pending)
+    ring = []
+    if self.ring_pages:
+      if self.ring_allocator.num_free < self.ring_pages:
+        return False
+      ring = self.ring_allocator.alloc(self.ring_pages)
+    pages = self._take(self.pages_for(seq.num_cached + n))
+    if pages is None:
+      if ring:
+        self.ring_allocator.free(ring)
+      return False
+    seq.pages, seq.ring_pages, seq.row = pages, ring, row
+    self.swap_in(seq, seq.swapped)
+    seq.swapped = None
+    self.swaps_in += 1
     self.running.append(seq)
     return True
 

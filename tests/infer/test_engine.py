@@ -45,18 +45,31 @@ def test_batched_outputs_equal_greedy_generation_alone(model):
   assert st.paged_waste < st.contiguous_waste
 
 
-@pytest.mark.parametrize('fmt', ['int8'])
-def test_preemption_recomputes_and_keeps_outputs_with_a_quantized_cache(model, fmt):
-  """A pool of 11 pages of 4 cannot hold two of these 24-position requests at once."""
-  model = with_kv_format(model, fmt)
+def test_swap_and_recompute_preemption_keep_outputs_with_a_quantized_cache(model):
+  """A pool of 11 pages of 4 cannot hold two of these 24-position requests at once: both
+  preemption modes give the tokens of each request alone (no preemption); swap restores the
+  preempted pages (ring layer included) from host memory instead of recomputing them."""
+  model = with_kv_format(model, 'int8')
   prompts = _prompts((10, 10, 10), seed=3)
-  engine = Engine(model, EngineConfig(max_batch=2, page_size=4, num_pages=12, chunk_size=8))
-  assert engine.cache.format == 'int8-ch012'
-  outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=14))
-  assert engine.stats.preemptions > 0
-  for prompt, out in zip(prompts, outs):
-    assert out == _alone(model, prompt, 14)
-  assert engine.allocator.num_free == 11
+  params = SamplingParams(temperature=0.0, max_tokens=14)
+  alone = [_alone(model, prompt, 14) for prompt in prompts]
+  stats = {}
+  for mode in ('recompute', 'swap'):
+    engine = Engine(model, EngineConfig(max_batch=2, page_size=4, num_pages=12, chunk_size=8,
+                                        preemption=mode))
+    assert engine.cache.format == 'int8-ch012' and any(engine.cache.ring)
+    assert engine.generate(prompts, params) == alone, mode
+    assert engine.allocator.num_free == 11 and engine.ring_allocator.num_free == 8
+    stats[mode] = engine.stats
+  rec, swap = stats['recompute'], stats['swap']
+  assert rec.preemptions > 0 and swap.preemptions > 0
+  assert rec.swaps_out == 0 and swap.swaps_out == swap.swaps_in == swap.preemptions
+  # Swap computes every prompt position once; recompute recomputes the preempted ones.
+  assert swap.prefill_tokens == 30 < rec.prefill_tokens
+  # An int8 page: 4 slots x 2 kv heads x (32 codes + one f32 scale), for k and for v.
+  assert swap.swapped_bytes > 0 and swap.swapped_bytes % (2 * 4 * 2 * (32 + 4)) == 0
+  with pytest.raises(ValueError, match="preemption='evict' is unknown"):
+    EngineConfig(preemption='evict')
 
 
 def test_streaming_yields_each_token_once_in_order(model):
