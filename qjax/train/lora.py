@@ -319,17 +319,20 @@ def remove_adapters(model: nnx.Module) -> nnx.Module:
   return model
 
 
-def merge_adapters(model: nnx.Module, dtype=None) -> nnx.Module:
+def merge_adapters(model: nnx.Module, dtype=None, dequantize_all: bool = True) -> nnx.Module:
   """A float copy of `model` with every adapter merged into its base weight.
 
   Merged layers get a float weight w + (alpha / r) A B (a quantized base is dequantized
-  first, a fake-quantized one loses its training fields: the merged weight is a new float
-  weight, to re-quantize with any qjax method); unadapted quantized layers stay quantized.
-  `model` is left untouched.
+  first, a fake-quantized one is fake-quantized and loses its training fields: the merged
+  weight is a new float weight, to re-quantize with any qjax method). This is the export step: the float copy is
+  its output, and `model` is left untouched.
 
   Args:
     model: a model from `apply_adapters`.
     dtype: the merged weights' dtype (default: the model's param dtype).
+    dequantize_all: also dequantize the quantized layers without an adapter, so the result
+      is a float model that `quantize_model` / `apply_method` accept (else they stay
+      quantized).
 
   Returns:
     The merged model (plain Einsums at the original paths).
@@ -340,12 +343,14 @@ def merge_adapters(model: nnx.Module, dtype=None) -> nnx.Module:
   dtype = jnp.dtype(dtype or merged.config.param_dtype)
   for path, wrapper in adapter_layers(merged):
     base = wrapper.base
-    if wrapper.lora_a is not None:
-      w = base.w.get_value()
-      wf = dequantize(w, jnp.float32) if isinstance(w, QArray) else w
-      new = lora_core.merged_weight(base.spec, wf, wrapper.lora_a[...], wrapper.lora_b[...],
-                                    wrapper.scale, dtype)
-      base.w = nnx.Param(new, out_sharding=base.axes, eager_sharding=False)
+    w = base.w.get_value()
+    if wrapper.lora_a is not None or dequantize_all:
+      # The weight the forward sees: dequantized codes, or the fake-quantized float weight.
+      wf = dequantize(w, jnp.float32) if isinstance(w, QArray) else base.fake_weight(w)
+      if wrapper.lora_a is not None:
+        wf = lora_core.merged_weight(base.spec, wf, wrapper.lora_a[...], wrapper.lora_b[...],
+                                     wrapper.scale, dtype)
+      base.w = nnx.Param(wf.astype(dtype), out_sharding=base.axes, eager_sharding=False)
       base.set_quant(base.quant.replace(act_fmt=None, path='auto', fake_fmt=None,
                                         learn_scale=False, fake_act_fmt=None))
     _set_path(merged, path, base)
