@@ -1,25 +1,40 @@
-r"""Serve a synthetic batch of prompts with `qjax.infer.Engine` and print a table.
+r"""Serve requests with `qjax.infer.Engine` and print a table.
 
+  python -m experiments.serve --config=configs/serve_gemma3.py [--config.small=True]
   python -m experiments.serve --config=configs/engine_tiny.py
 
-One row per (KV format, prefix caching): throughput of the second (compiled) run, steps,
-prefill tokens computed, prefix-hit tokens, preemptions, compilations, and cache waste
-(allocated minus used slots) of the paged cache next to a contiguous max_len-per-request one.
+With a `trace` in the config (serve_gemma3): a Poisson request trace replayed side by side
+(continuous vs static batching, prefix caching, int8 / int4 KV caches in the same bytes, HF
+`generate`), printed as a table with throughput, TTFT / inter-token latency percentiles,
+cache memory and prefix hit rate, plotted to <out_dir>/serve.png (`qjax.infer.serving`).
+
+Without one (engine_tiny): a synthetic batch served per (KV format, prefix caching), one row
+each: throughput of the second (compiled) run, steps, prefill tokens computed, prefix-hit
+tokens, preemptions, compilations, and cache waste of the paged cache next to a contiguous
+max_len-per-request one.
 """
+
+import json
+import os
+import pathlib
+import time
 
 from absl import app
 from flax import nnx
 from ml_collections import config_flags
+import numpy as np
 
+from configs import serve_gemma3
 from qjax import infer
+from qjax.eval import markdown_table
+from qjax.infer import serving
+from qjax.infer import trace as trace_lib
 from qjax.nn import Transformer, TransformerConfig
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/engine_tiny.py', lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/engine_tiny.py', lock_config=False)
 
 
-def main(argv):
-  del argv
-  c = _CONFIG.value
+def _workload_table(c):
   cfg = TransformerConfig(**c.model)
   model = Transformer(cfg, rngs=nnx.Rngs(c.seed))
   prompts, params = infer.synthetic_workload(vocab_size=cfg.vocab_size, **c.workload)
@@ -39,6 +54,113 @@ def main(argv):
   print('\n| ' + ' | '.join(keys) + ' |\n|' + '---|' * len(keys))
   for r in rows:
     print('| ' + ' | '.join(str(r[k]) for k in keys) + ' |')
+
+
+def _gemma_trace(c):
+  """Gemma 3 270M, its tokenizer, and the config's trace of Tiny Shakespeare windows."""
+  from qjax.checkpoints.gemma3 import load_gemma3_270m  # pylint: disable=g-import-not-at-top
+  from qjax.data import corpus  # pylint: disable=g-import-not-at-top
+  model, tok, info = load_gemma3_270m(param_dtype=c.param_dtype)
+  print(f"loaded Gemma 3 270M in {info['seconds']:.1f} s", flush=True)
+  bos = tok.token_to_id('<bos>')
+  system = tok.encode(serve_gemma3.SYSTEM_PROMPT).ids[1:]
+  if len(system) < c.system_len:
+    raise ValueError(f'system_len={c.system_len} is longer than the system prompt '
+                     f'({len(system)} tokens); lower it.')
+  source = tok.encode(corpus(c.corpus)[:200_000]).ids[1:]
+  trace = trace_lib.poisson_trace(**c.trace, system_prompt=system[:c.system_len],
+                                  token_source=source, bos=bos, seed=c.seed)
+  return model, tok, trace, tok.token_to_id('<pad>')
+
+
+def _hf_generate_row(trace, max_batch: int, pad_id: int) -> dict:
+  """HF transformers `generate` on the trace in static batches (the same grouping as the
+  'static' row); it returns a batch's tokens when the batch is done, so every token of a
+  request is stamped then (TTFT = the batch's completion, no inter-token latency)."""
+  row = dict(variant='hf_generate', max_batch=max_batch)
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    from transformers import AutoModelForCausalLM  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    row['note'] = f'not run: {e} (pip install the reference extra)'
+    return row
+  from qjax.checkpoints.gemma3 import gemma3_270m_path  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(gemma3_270m_path())
+  hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                            dtype=torch.float32).eval()
+
+  def run(batch):
+    longest = max(len(r.prompt) for r in batch)
+    ids = torch.tensor([[pad_id] * (longest - len(r.prompt)) + list(r.prompt) for r in batch])
+    mask = torch.tensor([[0] * (longest - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+    steps = max(r.max_tokens for r in batch)
+    with torch.no_grad():
+      hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps,
+                  min_new_tokens=steps, do_sample=False, pad_token_id=pad_id)
+  run(trace[:1])  # warm up
+  pending, now, times = list(trace), 0.0, {}
+  while pending:
+    now = max(now, pending[0].arrival)
+    batch = [r for r in pending if r.arrival <= now][:max_batch]
+    pending = [r for r in pending if r not in batch]
+    t0 = time.perf_counter()
+    run(batch)
+    now += time.perf_counter() - t0
+    times.update({r.id: [now] * r.max_tokens for r in batch})
+  result = trace_lib.summarize(trace, times)
+  for q in trace_lib.PERCENTILES:
+    result[f'itl_p{q}'] = float('nan')
+  row.update(result, note='HF generate, fp32 torch; tokens arrive when the batch ends')
+  return row
+
+
+def _trace_comparison(c):
+  if c.small:
+    c = serve_gemma3.small(c)
+  print(f'load average before: {os.getloadavg()}', flush=True)
+  if c.model == 'tiny':
+    cfg = TransformerConfig.tiny(max_len=c.engine.max_len)
+    model, pad_id = Transformer(cfg, rngs=nnx.Rngs(c.seed)), 0
+    trace = trace_lib.poisson_trace(**c.trace, system_prompt=list(range(1, 1 + c.system_len)),
+                                    vocab_size=cfg.vocab_size, seed=c.seed)
+  else:
+    model, _, trace, pad_id = _gemma_trace(c)
+  print(f'trace: {len(trace)} requests over {trace[-1].arrival:.1f} s, prompts '
+        f'{min(len(r.prompt) for r in trace)}-{max(len(r.prompt) for r in trace)} tokens, '
+        f'{sum(r.shared for r in trace)} with the system prompt, '
+        f'{sum(r.max_tokens for r in trace)} output tokens', flush=True)
+  variants = c.variants.split(',')
+  ecfg = infer.EngineConfig(**c.engine)
+  rows = serving.compare(model, trace, ecfg, [v for v in variants if v != 'hf'],
+                         max_batch_limit=c.max_batch_limit, pad_id=pad_id,
+                         log=lambda r: print(r, flush=True))
+  if 'hf' in variants:
+    rows.append(_hf_generate_row(trace, ecfg.max_batch, pad_id))
+    print(rows[-1], flush=True)
+  load = os.getloadavg()
+  print(f'load average after: {load}', flush=True)
+  print(markdown_table(rows, serving.COLUMNS))
+  ratios = serving.ratios(rows)
+  for k, v in ratios.items():
+    print(f'{k}: {v:.3g}' if isinstance(v, float) else f'{k}: {v}')
+  out = pathlib.Path(c.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  title = f'{c.model}, {len(trace)} requests (load average {load[0]:.1f})'
+  print('plot:', serving.plot([r for r in rows if 'tokens_per_s' in r], str(out / 'serve.png'),
+                              title))
+  clean = [{k: v for k, v in r.items() if k != 'outputs'} for r in rows]
+  (out / 'results.json').write_text(json.dumps(
+      dict(config=c.to_dict(), rows=clean, ratios=ratios, load_average=load), indent=1,
+      default=lambda x: x.item() if isinstance(x, np.generic) else str(x)))
+
+
+def main(argv):
+  del argv
+  c = _CONFIG.value
+  if 'trace' in c:
+    _trace_comparison(c)
+  else:
+    _workload_table(c)
 
 
 if __name__ == '__main__':

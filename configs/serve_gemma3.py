@@ -1,0 +1,73 @@
+r"""Serving Gemma 3 270M: a Poisson request trace replayed side by side (`qjax.infer.serving`).
+
+The trace: `num_requests` requests with exponential inter-arrival times (rate `rate` per
+second); each prompt is BOS, then (with probability `shared_fraction`) a common system
+prompt of `system_len` tokens (a fixed English instruction text, tokenized and cut), then
+its own text: a window of Tiny Shakespeare of length uniform in `prompt_len`; its output
+length (greedy, run to max_tokens) is uniform in `output_len`. The rate is set above what
+the engine serves on this CPU, so the queue saturates and tokens/s is the engine's capacity.
+
+Rows, one run: continuous batching (float32 cache) | static batching on the same engine
+(prompts padded to the batch's longest, every request run to the batch's longest output,
+as HF `generate` does) | continuous + prefix caching | int8 and int4 KV caches in the bytes
+of the float pool (more pages: more concurrent sequences, max_batch grown to what fits up to
+`max_batch_limit`) | HF transformers `generate` on the same trace in static batches (when
+`transformers` and `torch` import; otherwise the row says why it was not run). Columns:
+tokens/s, TTFT and inter-token latency p50/p90/p99, cache MiB, longest requests that fit,
+peak concurrent sequences, prefix hit rate, preemptions. Writes <out_dir>/serve.png and
+results.json.
+
+Command:
+  XLA_FLAGS= .venv/bin/python -m experiments.serve --config=configs/serve_gemma3.py
+  --config.small=True: 10 requests, short prompts and outputs, max_batch 4 (~5 min).
+Expected run time: full ~20-30 minutes on 2 idle CPU cores (load ~20 s; each KV format
+  compiles its step buckets once, ~1 min each); small ~5-8 minutes.
+Expected result: continuous >= 2x static throughput (static runs every batch to its longest
+  output); system-prompt requests' TTFT several times lower with prefix caching, outputs
+  identical; int8 / int4 caches fit ~3.9x / ~7.8x the sequences of the float32 cache (~2x /
+  ~3.9x of a bfloat16 one) in the same bytes.
+"""
+
+import ml_collections
+
+SYSTEM_PROMPT = (
+    'You are a careful assistant that answers questions about English literature. Read the '
+    'passage the user gives you, then continue it in the same style, keeping the metre, the '
+    'spelling and the voice of the speaker. Do not explain what you are doing, do not add '
+    'notes or commentary, and never break character. If the passage is a dialogue, continue '
+    'with the next speaker, and mark each speaker with their name in capitals followed by a '
+    'colon, as the plays of the period are printed. Keep every line shorter than eighty '
+    'characters and end on a complete sentence.')
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.model = 'gemma3_270m'            # or 'tiny': a random tiny model (smoke runs)
+  c.param_dtype = 'float32'
+  c.small = False
+  c.seed = 0
+  c.corpus = 'tinyshakespeare'
+  c.trace = dict(num_requests=32, rate=4.0, prompt_len=(16, 96), output_len=(16, 64),
+                 shared_fraction=0.5)
+  c.system_len = 128
+  # Float pool: 8 of the longest requests (1 + 128 + 96 + 64 - 1 positions = 18 pages).
+  c.engine = dict(max_batch=8, page_size=16, num_pages=1 + 8 * 18, chunk_size=32,
+                  max_len=320, ring=False)
+  c.max_batch_limit = 32
+  c.variants = 'continuous,static,prefix,kv_int8,kv_int4,hf'
+  c.out_dir = 'results/serve_gemma3'
+  return c
+
+
+def small(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The quick mode (`--config.small=True`)."""
+  c = ml_collections.ConfigDict(c.to_dict())
+  c.trace = dict(num_requests=10, rate=4.0, prompt_len=(8, 32), output_len=(4, 16),
+                 shared_fraction=0.5)
+  c.system_len = 64
+  # 4 of the longest requests (1 + 64 + 32 + 16 - 1 = 112 positions = 7 pages).
+  c.engine = dict(max_batch=4, page_size=16, num_pages=1 + 4 * 7, chunk_size=16,
+                  max_len=128, ring=False)
+  c.max_batch_limit = 8
+  c.out_dir = 'results/serve_gemma3_small'
+  return c
