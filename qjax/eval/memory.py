@@ -1,0 +1,309 @@
+"""Memory planner: predict the bytes a model needs from its config and quantization policy,
+answer "what fits in N GiB", and measure the same quantities on a built model.
+
+Prediction (no model is built; `nnx.eval_shape` gives the Einsum shapes):
+  weights      per Einsum: codes packed as `qjax.core.packing` stores them
+               (prod(shape[:-1]) * packed_length(shape[-1], bits)), + scales (one per tile,
+               `numerics.scale_shape`, in the scale dtype) + zero points (asymmetric formats,
+               same count and dtype); unquantized Einsums and every other parameter (norms)
+               at the parameter dtype;
+  KV cache     2 * L * B * S * K * H * itemsize (seed 000, sec. 4.2) for a float cache; codes
+               + one scale per token and kv head for a quantized one (`qjax.nn.init_cache`);
+  activations  the largest live set of one step, a stated estimate (module docstring of
+               `activation_bytes`), checked against XLA's `compiled.memory_analysis()`.
+
+Measurement (`measure`): the device buffers of the model's state and of an empty cache, the
+compiled prefill / decode steps' temp, argument and output sizes, and the process' peak RSS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import resource
+import sys
+from typing import Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qjax.core import QFormat, packing
+from qjax.core.numerics import scale_shape
+from qjax.nn import (QuantPolicy, Transformer, TransformerConfig, einsum_layers, init_cache,
+                     kv_format, resolve_format)
+from qjax.nn.kvcache import check_format
+
+GiB = 2 ** 30
+
+
+# ---------------------------------------------------------------------------- shapes
+@functools.lru_cache(maxsize=8)
+def _abstract(cfg: TransformerConfig):
+  return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def layer_table(cfg: TransformerConfig) -> list[tuple[str, object]]:
+  """(path, abstract Einsum) of every projection of a model with config `cfg` (none built)."""
+  return einsum_layers(_abstract(cfg))
+
+
+def qformat_bytes(shape: Sequence[int], fmt: QFormat) -> dict:
+  """Bytes of one weight stored in the resolved format `fmt` (axes filled in).
+
+  Returns:
+    {'codes', 'scales', 'zero_points', 'total'} in bytes, as `qjax.core.nbytes` counts them.
+  """
+  shape = tuple(int(d) for d in shape)
+  code_bytes = 1 if fmt.bits > 4 or fmt.is_float else None
+  if code_bytes is None:
+    codes = math.prod(shape[:-1]) * packing.packed_length(shape[-1], fmt.bits)
+  else:
+    codes = math.prod(shape)
+  n_scales = math.prod(scale_shape(shape, fmt))
+  item = jnp.dtype(fmt.scale_dtype).itemsize
+  zp = 0 if fmt.symmetric else n_scales * item
+  return {'codes': codes, 'scales': n_scales * item, 'zero_points': zp,
+          'total': codes + n_scales * item + zp}
+
+
+def layer_formats(cfg: TransformerConfig, policy: Optional[QuantPolicy]) -> dict:
+  """{path: resolved QFormat or None (float)} under `policy`, as `quantize_model` resolves it."""
+  out = {}
+  for path, layer in layer_table(cfg):
+    _, rule = (None, None) if policy is None else policy.match(path)
+    if rule is None or rule.exempt:
+      out[path] = None
+    else:
+      out[path] = resolve_format(rule, layer, path, policy.path)
+  return out
+
+
+def weight_bytes(cfg: TransformerConfig, policy: Optional[QuantPolicy] = None,
+                 formats: Optional[Mapping[str, Optional[QFormat]]] = None) -> dict:
+  """Predicted weight bytes of `cfg` under `policy` (or explicit resolved `formats`).
+
+  Returns:
+    {'codes', 'scales', 'zero_points', 'float' (unquantized Einsums + norms), 'total',
+     'layers': {path: bytes}}.
+  """
+  formats = layer_formats(cfg, policy) if formats is None else formats
+  pitem = jnp.dtype(cfg.param_dtype).itemsize
+  out = {'codes': 0, 'scales': 0, 'zero_points': 0, 'float': 0, 'layers': {}}
+  einsum_params = 0
+  for path, layer in layer_table(cfg):
+    shape = layer.weight_shape
+    einsum_params += math.prod(shape)
+    fmt = formats.get(path)
+    if fmt is None:
+      b = math.prod(shape) * pitem
+      out['float'] += b
+    else:
+      parts = qformat_bytes(shape, fmt)
+      for k in ('codes', 'scales', 'zero_points'):
+        out[k] += parts[k]
+      b = parts['total']
+    out['layers'][path] = b
+  # Norm weights (and biases): every parameter that is not an Einsum weight stays float.
+  total_params = sum(math.prod(a.shape) for a in jax.tree.leaves(
+      nnx.state(_abstract(cfg), nnx.Param)))
+  out['float'] += (total_params - einsum_params) * pitem
+  out['total'] = out['codes'] + out['scales'] + out['zero_points'] + out['float']
+  return out
+
+
+def kv_bytes(cfg: TransformerConfig, batch: int, context: int,
+             fmt: Optional[QFormat | str] = None) -> int:
+  """KV-cache bytes for `batch` sequences of `context` tokens (float or a KV format)."""
+  fmt = check_format(fmt, cfg.head_dim)
+  shape = (batch, context, cfg.num_kv_heads, cfg.head_dim)
+  if fmt is None:
+    per = math.prod(shape) * jnp.dtype(cfg.dtype).itemsize
+  else:
+    per = qformat_bytes(shape, fmt)['total']
+  return 2 * cfg.num_layers * per + 4 * batch  # + the int32 lengths
+
+
+def activation_bytes(cfg: TransformerConfig, batch: int, tokens: int, context: int) -> int:
+  """Estimated peak live activations of one step of `tokens` new tokens per row (f32 logits).
+
+  The step's largest simultaneous buffers: the float32 logits of every fed position
+  (B * T * V), the MLP's gate and up outputs (2 * B * T * F), a few residual-stream copies
+  (4 * B * T * D), the queries and new keys/values (B * T * (N + 2K) * H) and, for the dense
+  attention path, one layer's scores (B * N * T * S). In the compute dtype, logits float32.
+  """
+  c = jnp.dtype(cfg.dtype).itemsize
+  b, t = batch, tokens
+  logits = b * t * cfg.vocab_size * 4
+  mlp = 2 * b * t * cfg.d_ff * c
+  resid = 4 * b * t * cfg.d_model * c
+  qkv = b * t * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * c
+  scores = b * cfg.num_heads * t * min(context, cfg.max_len) * 4
+  if cfg.attention_impl == 'blockwise' and t > 1:
+    scores = b * cfg.num_heads * t * min(context, cfg.attention_block) * 4
+  return logits + mlp + resid + qkv + scores
+
+
+# ---------------------------------------------------------------------------- planner
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """Predicted bytes of one workload: weights + KV + the larger step's activations."""
+
+  weights: dict
+  kv: int
+  prefill_activations: int
+  decode_activations: int
+
+  @property
+  def total(self) -> int:
+    return self.weights['total'] + self.kv + max(self.prefill_activations,
+                                                   self.decode_activations)
+
+  def as_dict(self) -> dict:
+    w = {k: v for k, v in self.weights.items() if k != 'layers'}
+    return {'weights': w, 'kv': self.kv, 'prefill_activations': self.prefill_activations,
+            'decode_activations': self.decode_activations, 'total': self.total}
+
+
+def predict(cfg: TransformerConfig, policy: Optional[QuantPolicy] = None, *, batch: int,
+            context: int, prompt: Optional[int] = None, kv: Optional[QFormat | str] = None,
+            formats=None) -> Prediction:
+  """Predicted memory of serving `batch` sequences of `context` tokens (prompt `prompt`).
+
+  Args:
+    cfg: the model config.
+    policy: its quantization policy (None: float), or `formats` {path: resolved QFormat}.
+    batch, context: sequences and cache length.
+    prompt: prefill tokens per row (default: `context`).
+    kv: the KV-cache format (None float).
+
+  Returns:
+    A `Prediction`.
+  """
+  _check_workload(cfg, batch, context)
+  prompt = context if prompt is None else prompt
+  return Prediction(weight_bytes(cfg, policy, formats), kv_bytes(cfg, batch, context, kv),
+                    activation_bytes(cfg, batch, prompt, context),
+                    activation_bytes(cfg, batch, 1, context))
+
+
+def _check_workload(cfg, batch, context):
+  for name, v in (('batch', batch), ('context', context)):
+    if not isinstance(v, int) or v < 1:
+      raise ValueError(f'memory planner: {name}={v!r} must be a positive integer.')
+  if context > cfg.max_len:
+    raise ValueError(f'memory planner: context={context} exceeds the model\'s max_len='
+                     f'{cfg.max_len}; plan a context <= max_len.')
+
+
+def _largest(ok, lo: int, hi: int) -> int:
+  """Largest n in [lo, hi] with ok(n) (ok monotone decreasing), or 0 if ok(lo) fails."""
+  if not ok(lo):
+    return 0
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+  return lo
+
+
+def what_fits(cfg: TransformerConfig, budget_bytes: float,
+              policies: Mapping[str, Optional[QuantPolicy]], *, batch: int = 1,
+              context: int = 0, prompt: Optional[int] = None,
+              kv: Optional[QFormat | str] = None, max_batch: int = 4096) -> dict:
+  """Answer "what fits in `budget_bytes`" for each named policy.
+
+  Decode is the phase planned (the cache at its full length, one new token per row); the
+  prefill of `prompt` tokens per row (default 1: a chunked prefill) must fit too.
+
+  Args:
+    cfg: the model config.
+    budget_bytes: the memory budget (e.g. 8 * GiB).
+    policies: {name: QuantPolicy or None (float)}, e.g. {'f32': None, 'int4-g128': ...}.
+    batch: the batch at which the longest context is sought.
+    context: the context at which the largest batch is sought (default `cfg.max_len`).
+    prompt: prefill chunk in tokens (default 1).
+    kv: KV-cache format.
+    max_batch: search bound for the batch.
+
+  Returns:
+    {name: {'weights', 'fits' (at batch x context), 'total' (bytes there), 'max_batch'
+     (at `context`), 'max_context' (at `batch`, capped at cfg.max_len)}}.
+  """
+  if not budget_bytes > 0:
+    raise ValueError(f'what_fits: budget_bytes={budget_bytes!r} must be > 0 (e.g. 8 * 2**30).')
+  context = context or cfg.max_len
+  prompt = prompt or 1
+  out = {}
+  for name, policy in policies.items():
+    formats = layer_formats(cfg, policy)
+    def total(b, s, formats=formats):
+      return predict(cfg, batch=b, context=s, prompt=min(prompt, s), kv=kv,
+                     formats=formats).total
+    out[name] = {
+        'weights': weight_bytes(cfg, formats=formats)['total'],
+        'total': total(batch, context), 'fits': total(batch, context) <= budget_bytes,
+        'max_batch': _largest(lambda b: total(b, context) <= budget_bytes, 1, max_batch),
+        'max_context': _largest(lambda s: total(batch, s) <= budget_bytes, 1, cfg.max_len)}
+  return out
+
+
+# ---------------------------------------------------------------------------- measurement
+def _device_bytes(tree) -> int:
+  return sum(int(a.nbytes) for a in jax.tree.leaves(tree) if hasattr(a, 'nbytes'))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def _step(graphdef, state, tokens_BT, cache):
+  logits_BTV, cache = nnx.merge(graphdef, state)(tokens_BT, cache=cache)
+  return logits_BTV[:, -1], cache
+
+
+def compiled_memory(model: nnx.Module, batch: int, tokens: int, context: int) -> dict:
+  """XLA's memory analysis of one cached step feeding `tokens` per row into a cache of
+  `context` slots (prefill: tokens = prompt; decode: tokens = 1); compiled, not run.
+
+  Returns:
+    {'temp', 'argument', 'output', 'alias', 'generated_code'} in bytes.
+  """
+  cfg = model.config
+  graphdef, state = nnx.split(model)
+  cache = jax.eval_shape(lambda: init_cache(cfg, batch, context, fmt=kv_format(model)))
+  toks = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
+  m = _step.lower(graphdef, state, toks, cache).compile().memory_analysis()
+  if m is None:
+    raise RuntimeError('compiled_memory: this backend gives no memory analysis.')
+  return {'temp': int(m.temp_size_in_bytes), 'argument': int(m.argument_size_in_bytes),
+          'output': int(m.output_size_in_bytes), 'alias': int(m.alias_size_in_bytes),
+          'generated_code': int(m.generated_code_size_in_bytes)}
+
+
+def peak_rss_bytes() -> int:
+  """The process' peak resident set size so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+  r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return int(r if sys.platform == 'darwin' else r * 1024)
+
+
+def measure(model: nnx.Module, *, batch: int, context: int, prompt: Optional[int] = None,
+            compiled: bool = True) -> dict:
+  """Measured memory of `model` for a workload (the counterpart of `predict`).
+
+  Returns:
+    {'weights': {'quantized', 'float', 'total'} (device buffers of the state),
+     'kv' (an empty cache's buffers), 'prefill' / 'decode' (compiled memory analyses, when
+     `compiled`), 'peak_rss'}.
+  """
+  cfg = model.config
+  _check_workload(cfg, batch, context)
+  from qjax.nn import QWeight  # pylint: disable=g-import-not-at-top
+  q = _device_bytes(nnx.state(model, QWeight))
+  f = _device_bytes(nnx.state(model, nnx.Param))
+  out = {'weights': {'quantized': q, 'float': f, 'total': q + f}}
+  cache = init_cache(cfg, batch, context, fmt=kv_format(model))
+  out['kv'] = _device_bytes(cache)
+  del cache
+  if compiled:
+    out['prefill'] = compiled_memory(model, batch, prompt or context, context)
+    out['decode'] = compiled_memory(model, batch, 1, context)
+  out['peak_rss'] = peak_rss_bytes()
+  return out
