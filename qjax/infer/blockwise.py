@@ -8,11 +8,18 @@ module switches a built model to it and measures what it saves:
     model = with_attention_impl(model, 'blockwise', block_size=512)   # a copy
     nll = model(tokens_BT)          # cache-free forward: temp memory O(T), not O(T^2)
     attention_temp_bytes(2048, 'blockwise')   # compiled temp bytes of one attention call
+    nll_1T = token_nll(model, tokens_1T)   # long-context NLL: logits a chunk at a time
+    forward_temp_bytes(model, 32768)       # compiled temp bytes of that, without running it
+    bucket_perplexity(nll_1T[0], (0, 512, 1024, 2048))
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+import math
+from typing import Optional, Sequence
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -75,3 +82,87 @@ def attention_temp_bytes(seq_len: int, impl: str, *, num_heads: int = 4, num_kv_
                                              block_size=block_size)
   compiled = jax.jit(fn).lower(q, kv, kv, pos).compile()
   return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def _nll(model, tokens_BT: jax.Array, logits_chunk: int) -> jax.Array:
+  b, t = tokens_BT.shape
+  positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  x_BTD, _ = model.blocks(model.embed_tokens(tokens_BT), positions_BT)
+  x_BTD, targets_BT = x_BTD[:, :-1], tokens_BT[:, 1:]
+  chunk = min(logits_chunk, t - 1)
+  pad = -(t - 1) % chunk
+  x_BTD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0)))
+  targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+  nc = (t - 1 + pad) // chunk
+  x_CBTD = jnp.moveaxis(x_BTD.reshape(b, nc, chunk, -1), 1, 0)
+  y_CBT = jnp.moveaxis(targets_BT.reshape(b, nc, chunk), 1, 0)
+
+  def one(xy):  # the T x V logits never exist at once: `chunk` rows of them at a time
+    logits_BTV = model.logits(xy[0])
+    picked_BT = jnp.take_along_axis(logits_BTV, xy[1][..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits_BTV, axis=-1) - picked_BT
+  nll_CBT = jax.lax.map(one, (x_CBTD, y_CBT))
+  return jnp.moveaxis(nll_CBT, 0, 1).reshape(b, -1)[:, :t - 1]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _nll_jit(graphdef, state, tokens_BT, logits_chunk):
+  return _nll(nnx.merge(graphdef, state), tokens_BT, logits_chunk)
+
+
+def token_nll(model: nnx.Module, tokens_BT, *, logits_chunk: int = 256) -> jax.Array:
+  """Negative log-likelihood of every next token of a cache-free forward, float32 (B, T-1).
+
+  Memory: the blocks' activations are O(T) (with `attention_impl='blockwise'`, attention
+  too), and the LM head runs `logits_chunk` positions at a time (`lax.map`), so the T x V
+  logits (8192 x 262144 floats = 8.6 GB for Gemma at 8k) never exist at once.
+
+  Args:
+    model: a `Transformer` (use `with_attention_impl(model, 'blockwise')` for long T).
+    tokens_BT: int token ids, T >= 2.
+    logits_chunk: positions per LM-head call.
+
+  Returns:
+    nll_BT: entry [b, i] is -log p(tokens[b, i + 1] | tokens[b, :i + 1]).
+  """
+  tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+  if tokens_BT.ndim != 2 or tokens_BT.shape[1] < 2:
+    raise ValueError(f'token_nll: tokens of shape {tokens_BT.shape}; give (B, T) with T >= 2.')
+  if not isinstance(logits_chunk, int) or logits_chunk < 1:
+    raise ValueError(f'token_nll: logits_chunk={logits_chunk!r} must be a positive integer.')
+  graphdef, state = nnx.split(model)
+  return _nll_jit(graphdef, state, tokens_BT, logits_chunk)
+
+
+def forward_temp_bytes(model: nnx.Module, seq_len: int, *, batch: int = 1,
+                       logits_chunk: int = 256) -> int:
+  """Compiled temp memory (bytes, XLA's memory analysis) of `token_nll` at T = seq_len,
+  without running it (so a length too slow to run can still be sized)."""
+  graphdef, state = nnx.split(model)
+  tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+  fn = jax.jit(functools.partial(_nll_jit.__wrapped__, graphdef), static_argnums=(2,))
+  compiled = fn.lower(state, tokens, logits_chunk).compile()
+  return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def bucket_perplexity(nll_T, edges: Sequence[int]) -> list[dict]:
+  """Perplexity of the predictions in each position bucket [edges[i], edges[i+1]).
+
+  Args:
+    nll_T: per-prediction NLL of one sequence (`token_nll(...)[0]`); prediction i is of
+      position i + 1.
+    edges: increasing bucket edges in prediction index; the last bucket ends at len(nll_T)
+      when the last edge is smaller.
+
+  Returns:
+    One dict per bucket: start, end, tokens, ppl.
+  """
+  nll_T = np.asarray(nll_T, np.float64)
+  edges = list(edges)
+  if edges[-1] < len(nll_T):
+    edges.append(len(nll_T))
+  if any(b <= a for a, b in zip(edges, edges[1:])) or edges[0] < 0:
+    raise ValueError(f'bucket_perplexity: edges={edges} must increase from >= 0.')
+  return [dict(start=a, end=b, tokens=int(len(nll_T[a:b])),
+               ppl=float(math.exp(nll_T[a:b].mean())))
+          for a, b in zip(edges, edges[1:]) if a < len(nll_T)]

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from qjax.infer import attention_temp_bytes, with_attention_impl
+from qjax.infer.blockwise import bucket_perplexity, forward_temp_bytes, token_nll
 from qjax.nn import Transformer, TransformerConfig, attend, init_cache
 from qjax.nn.attention import attend_blockwise
 
@@ -80,3 +81,28 @@ def test_bad_impl_names_raise():
     TransformerConfig.tiny(attention_block=0)
   with pytest.raises(ValueError, match="impl='flash' is unknown"):
     attention_temp_bytes(64, 'flash')
+
+
+def test_long_context_nll_equals_the_dense_logits_and_its_memory_is_linear_in_t():
+  """`token_nll` (blockwise attention, LM head a chunk at a time) == log-softmax of the full
+  dense logits; the tiny model's whole compiled forward has temp memory linear in T
+  blockwise (2x per doubling), far below the dense forward's."""
+  cfg = TransformerConfig.tiny(sliding_window=6, global_every=2, max_len=1024)
+  dense = Transformer(cfg, rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, 37), 0, cfg.vocab_size)
+  logits = dense(tokens)[:, :-1]
+  want = (jax.nn.logsumexp(logits, -1) -
+          jnp.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0])
+  blockwise = with_attention_impl(dense, 'blockwise', block_size=8)
+  got = token_nll(blockwise, tokens, logits_chunk=5)  # 36 predictions: 8 chunks, padded
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  buckets = bucket_perplexity(got[0], (0, 16))
+  assert [(b['start'], b['end'], b['tokens']) for b in buckets] == [(0, 16, 16), (16, 36, 20)]
+  np.testing.assert_allclose(buckets[1]['ppl'], np.exp(np.mean(np.asarray(want[0, 16:]))),
+                             rtol=1e-5)
+  block = [forward_temp_bytes(blockwise, t, logits_chunk=32) for t in (128, 256, 512)]
+  for a, b in zip(block, block[1:]):
+    assert 1.8 < b / a < 2.2, block
+  assert forward_temp_bytes(dense, 512, logits_chunk=32) > 4 * block[-1]  # T x S logits
+  with pytest.raises(ValueError, match='give \\(B, T\\) with T >= 2'):
+    token_nll(dense, [[1]])

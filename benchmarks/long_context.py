@@ -1,0 +1,104 @@
+r"""Gemma 3 270M perplexity at long context through blockwise attention, in bounded memory.
+
+    XLA_FLAGS= .venv/bin/python -m benchmarks.long_context [--seq_len=8192] [--size_only=32768]
+
+One window of `seq_len` tokens of a corpus (BOS, then the text from its start: the first 512
+predictions are exactly the first window of the 512-token protocol in
+configs/gemma3_270m_eval.py), one cache-free forward with `attention_impl='blockwise'` and
+the LM head a chunk of positions at a time (`qjax.infer.blockwise.token_nll`). Prints:
+- perplexity per position bucket ([0, 512), [512, 1024), [1024, 2048), ...): a model that
+  uses its context has lower perplexity later in the window;
+- a check: the first 512 predictions' NLL from the same tokens alone through the dense path
+  (max |delta NLL|, float tolerance);
+- peak RSS of the process (resource.getrusage) after loading and after the forward, and the
+  compiled temp memory (XLA's memory analysis) of the forward at `seq_len` and at every
+  `--size_only` length, compiled but not run (32768 is too slow to run on 2 CPU cores: its
+  attention alone is 16x the 8k one's).
+Expected run time: 8192 tokens ~3-6 minutes on 2 idle cores (every layer's attention is
+  O(T^2) compute, O(T) memory); the 32k size check ~1 minute of compilation.
+Expected result: peak RSS ~2-3 GB at 8k (the f32 weights are ~1.1 GB); compiled temp ~1 GB
+  at 8k, ~4x that at 32k; first-window NLL equal to the dense path within ~1e-3; bucket
+  perplexity falling with position on Tiny Shakespeare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import resource
+import time
+
+from absl import app
+from absl import flags
+import numpy as np
+
+from qjax.checkpoints.gemma3 import load_gemma3_270m
+from qjax.data import corpus
+from qjax.infer.blockwise import (bucket_perplexity, forward_temp_bytes, token_nll,
+                                  with_attention_impl)
+
+_SEQ_LEN = flags.DEFINE_integer('seq_len', 8192, 'tokens in the window that is run')
+_SIZE_ONLY = flags.DEFINE_list('size_only', ['32768'], 'lengths only compiled and sized')
+_CORPUS = flags.DEFINE_string('corpus', 'tinyshakespeare', 'a qjax.data corpus')
+_BLOCK = flags.DEFINE_integer('block', 512, 'keys per attention block')
+_CHUNK = flags.DEFINE_integer('logits_chunk', 256, 'positions per LM-head call')
+_OUT = flags.DEFINE_string('out', 'results/long_context/long_context.json', 'JSON written')
+
+
+def _rss_gib() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def main(_):
+  print(f'load average: {os.getloadavg()}', flush=True)
+  t0 = time.perf_counter()
+  model, tok, _ = load_gemma3_270m()
+  rss_loaded = _rss_gib()
+  t = _SEQ_LEN.value
+  if t > model.config.max_len:
+    raise ValueError(f'--seq_len={t} exceeds the model context {model.config.max_len}.')
+  ids = tok.encode(corpus(_CORPUS.value)).ids  # BOS first
+  if len(ids) < t:
+    raise ValueError(f'--corpus={_CORPUS.value} has {len(ids)} tokens, fewer than {t}.')
+  tokens = np.asarray([ids[:t]], np.int32)
+  blockwise = with_attention_impl(model, 'blockwise', block_size=_BLOCK.value)
+  sizes = {}
+  for n in [t] + [int(s) for s in _SIZE_ONLY.value if s]:
+    ts = time.perf_counter()
+    sizes[n] = forward_temp_bytes(blockwise, n, logits_chunk=_CHUNK.value)
+    print(f'compiled temp memory at T={n}: {sizes[n] / 2**30:.2f} GiB '
+          f'({time.perf_counter() - ts:.0f} s to compile)', flush=True)
+  ts = time.perf_counter()
+  nll = np.asarray(token_nll(blockwise, tokens, logits_chunk=_CHUNK.value))[0]
+  run_s = time.perf_counter() - ts
+  rss_run = _rss_gib()
+  print(f'forward of {t} tokens: {run_s:.0f} s ({(t - 1) / run_s:.0f} predictions/s), peak RSS '
+        f'{rss_run:.2f} GiB (after loading {rss_loaded:.2f} GiB)', flush=True)
+  dense_first = np.asarray(token_nll(model, tokens[:, :512], logits_chunk=_CHUNK.value))[0]
+  delta = float(np.abs(dense_first - nll[:511]).max())
+  edges = [0, 512]
+  while edges[-1] * 2 < t:
+    edges.append(edges[-1] * 2)
+  buckets = bucket_perplexity(nll, edges)
+  print('\n| predictions | tokens | ppl |\n|---|---|---|')
+  for b in buckets:
+    print(f"| {b['start']}-{b['end']} | {b['tokens']} | {b['ppl']:.2f} |")
+  print(f'\nall {t - 1}: ppl {np.exp(nll.mean()):.3f}; first 511 predictions, dense 512-token '
+        f'forward vs blockwise {t}: max |delta NLL| = {delta:.2e}')
+  print('compiled temp GiB: ' + ', '.join(f'T={n}: {b / 2**30:.2f}' for n, b in sizes.items()))
+  out = pathlib.Path(_OUT.value)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(dict(
+      seq_len=t, corpus=_CORPUS.value, block=_BLOCK.value, buckets=buckets,
+      ppl=float(np.exp(nll.mean())), first_window_max_abs_delta_nll=delta,
+      peak_rss_gib=rss_run, rss_after_load_gib=rss_loaded, forward_seconds=run_s,
+      compiled_temp_bytes={str(k): v for k, v in sizes.items()},
+      load_average=os.getloadavg(), seconds=time.perf_counter() - t0), indent=1))
+  print(f'wrote {out}')
+  if delta > 1e-2:
+    raise SystemExit(f'FAIL: blockwise NLL differs from the dense path by {delta:.3g}.')
+
+
+if __name__ == '__main__':
+  app.run(main)
