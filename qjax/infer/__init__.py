@@ -19,9 +19,12 @@ from qjax.infer.blockwise import attention_temp_bytes, with_attention_impl
 from qjax.infer.paged import (PageAllocator, PagedKVCache, check_step, init_paged_cache,
                               ring_pages_needed, with_step)
 from qjax.infer.paged import forward as paged_forward
+from qjax.infer.paged import POOL_AXES, read_pages, shard_pools, write_pages
 from qjax.infer.prefix_cache import PrefixCache, block_hashes
 from qjax.infer.scheduler import Scheduler, StepPlan
 from qjax.infer.scheduler import Sequence as SequenceState
 from qjax.infer.engine import Engine, EngineConfig, EngineStats
 from qjax.infer.workload import serve, synthetic_workload
+from qjax.infer.trace import TraceRequest, poisson_trace, replay
+from qjax.infer.blockwise import bucket_perplexity, forward_temp_bytes, token_nll
 # --- end engine ---

@@ -128,7 +128,16 @@ class Engine:
   """Continuous batching with a paged KV cache; see the module docstring."""
 
   def __init__(self, model: nnx.Module, config: EngineConfig = EngineConfig(),
-               tokenizer=None):
+               tokenizer=None, *, mesh=None, layout=None, shard_weights: bool = True):
+    """Args:
+      model: a (float or quantized) `Transformer`.
+      config: batching and cache settings.
+      tokenizer: encodes text prompts and decodes for stop strings (optional).
+      mesh: a device mesh (`qjax.sharding.make_mesh`) to run on, or None (one device).
+      layout: with a mesh, the layout whose rules split the page pools
+        (`paged.POOL_AXES`) and, with `shard_weights`, the weights (`state_shardings`).
+      shard_weights: split the weights too (else they are replicated).
+    """
     cfg = model.config
     self.model, self.config, self.tokenizer = model, config, tokenizer
     self.max_len = cfg.max_len if config.max_len is None else config.max_len
@@ -147,6 +156,15 @@ class Engine:
       ring = ring_pages < self.max_pages  # a ring as long as the table saves nothing
       ring_pages = ring_pages if ring else 0
     num_ring = 1 + config.max_batch * ring_pages if ring else 0
+    rules = None
+    if mesh is not None:
+      from qjax import sharding  # pylint: disable=g-import-not-at-top
+      if layout is None:
+        raise ValueError("Engine: mesh= needs layout= (e.g. 'wg_xyz+mq_batch'), the rules "
+                         'that split the page pools.')
+      rules = sharding.layout_rules(layout)
+      ways = int(np.prod([mesh.shape[a] for a in rules.axes(paged.POOL_AXES[0])]))
+      num_ring = -(-num_ring // ways) * ways if ring else 0  # spare ring pages: never used
     self.allocator = paged.PageAllocator(config.num_pages)
     self.ring_allocator = paged.PageAllocator(num_ring) if ring else None
     self.prefix_cache = PrefixCache(self.allocator, p) if config.prefix_caching else None
@@ -161,6 +179,12 @@ class Engine:
         max_pages=self.max_pages, ring_pages=ring_pages, num_ring_pages=num_ring,
         fmt=self.qformat)
     self.graphdef, self.state = nnx.split(model)
+    if mesh is not None:
+      self.cache = paged.shard_pools(self.cache, rules, mesh)
+      if shard_weights:
+        self.state = jax.device_put(self.state,
+                                    sharding.state_shardings(self.state, rules, mesh))
+    self.mesh = mesh
     self.buckets = _buckets(config.chunk_size)
     self.stats = EngineStats()
     self._traces_before = _TRACES[0]

@@ -21,7 +21,8 @@ attends over it through its `write`/`attend` methods, the protocol `qjax.nn.kvca
 documents). `PageAllocator` is the host half: free pages, reference counts (prefix sharing).
 `forward` runs a model against the cache; `check_step` is the host check at the step
 boundary that makes an overflowing write an error; `read_pages` / `write_pages` copy a
-sequence's pages to host memory and back (swap preemption).
+sequence's pages to host memory and back (swap preemption); `shard_pools` splits the
+pools over a device mesh by a layout's rules (`POOL_AXES`).
 """
 
 from __future__ import annotations
@@ -38,9 +39,15 @@ from flax import nnx
 from qjax.core import QArray, QFormat, dequantize, quantize
 from qjax.nn import kvcache
 from qjax.nn.attention import EMPTY_POSITION, online_attend
+from qjax.nn import axes as ax
 from qjax.nn.config import TransformerConfig
 
 SINK_PAGE = 0
+
+# Logical axes of a pool (num_pages, P, K, H). Pages are the cache's (batch x length) slots
+# cut into pieces, so the page axis follows the cache batch rule; slots the cache length,
+# K and H the cache's kv-head and head-dim rules (`qjax.nn.axes.KV_CACHE_AXES`).
+POOL_AXES = (ax.CACHE_BATCH, ax.CACHE_LENGTH, ax.ACT_KV_HEADS, ax.HEAD_DIM)
 
 
 @jax.tree_util.register_dataclass
@@ -160,6 +167,38 @@ class PagedKVCache:
     blocks = (table.T, jnp.arange(table.shape[1], dtype=jnp.int32))
     return online_attend(q_BTNH, blocks, fetch, positions_BT, window=window,
                          logit_softcap=logit_softcap)
+
+
+def shard_pools(cache: PagedKVCache, rules, mesh) -> PagedKVCache:
+  """`cache` with every pool placed on `mesh` as `rules` (a `qjax.sharding.Rules`) lay out
+  `POOL_AXES`; tables and lengths replicated. Jitted steps then run SPMD over the mesh.
+
+  Raises:
+    ValueError when a split dim does not divide (naming the pool, the dim and the fix).
+  """
+  from qjax.sharding import leaf_mesh_axes, to_spec  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+
+  def place(pool, what):
+    per_leaf = leaf_mesh_axes(rules, POOL_AXES, pool, what)
+    leaves = jax.tree.leaves(pool)
+    for leaf, per_dim in zip(leaves, per_leaf):
+      for dim, (n, mesh_axes) in enumerate(zip(leaf.shape, per_dim)):
+        ways = int(np.prod([mesh.shape[a] for a in mesh_axes]))
+        if n % ways:
+          raise ValueError(
+              f'shard_pools: {what} dim {dim} ({POOL_AXES[dim]}) has {n} entries, which '
+              f'layout {rules} splits {ways} ways over mesh axes {mesh_axes}; use a multiple '
+              f'of {ways} (num_pages, or kv heads) or another layout.')
+    shardings = [NamedSharding(mesh, to_spec(d)) for d in per_leaf]
+    return jax.tree.unflatten(jax.tree.structure(pool),
+                              [jax.device_put(x, s) for x, s in zip(leaves, shardings)])
+  rep_ = lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+  return dataclasses.replace(
+      cache, k=tuple(place(p, f'pool k[{i}]') for i, p in enumerate(cache.k)),
+      v=tuple(place(p, f'pool v[{i}]') for i, p in enumerate(cache.v)),
+      block_table=rep_(cache.block_table), ring_table=rep_(cache.ring_table),
+      length=rep_(cache.length), num_new=rep_(cache.num_new))
 
 
 def ring_pages_needed(window: int, page_size: int, max_new: int) -> int:

@@ -125,3 +125,25 @@ def test_seeded_sampling_does_not_depend_on_the_batch_and_logprobs_are_returned(
   lp = alone.logprobs(rid)
   assert len(lp) == 5 and all(x <= 0 for x in lp)
   np.testing.assert_allclose(crowded.logprobs('1'), lp, rtol=1e-4, atol=1e-5)
+
+
+def test_sharded_engine_gives_the_unsharded_tokens(model, eight_devices):
+  """Weights and page pools (ring pool included) split over a 2x2x2 mesh by a layout's rules:
+  the pools' page axis follows the cache-batch rule (8 ways under wg_xyz+mq_batch)."""
+  from qjax import sharding
+  mesh = sharding.make_mesh('2x2x2', eight_devices)
+  # The streaming test's engine and requests: the unsharded steps are compiled once.
+  cfg = EngineConfig(max_batch=2, page_size=4, num_pages=32, chunk_size=8)
+  prompts, params = _prompts()[:2], SamplingParams(temperature=0.0, max_tokens=3)
+  want = Engine(model, cfg).generate(prompts, params)
+  engine = Engine(model, cfg, mesh=mesh, layout='wg_xyz+mq_batch')
+  assert engine.generate(prompts, params) == want
+  for pool in engine.cache.k + engine.cache.v:  # still split after the steps
+    assert pool.sharding.spec[0] == ('x', 'y', 'z') and len(pool.sharding.device_set) == 8
+  assert engine.ring_allocator.num_pages == 16  # 1 + 2 rings of 4 pages, rounded up
+  assert engine.stats.compilations <= 2
+  with pytest.raises(ValueError, match='pool k\\[1\\] dim 0 \\(cache_batch\\) has 20 entries, '
+                                       'which layout wg_xyz\\+mq_batch splits 8 ways'):
+    Engine(model, EngineConfig(num_pages=20, page_size=4), mesh=mesh, layout='wg_xyz+mq_batch')
+  with pytest.raises(ValueError, match='mesh= needs layout='):
+    Engine(model, cfg, mesh=mesh)

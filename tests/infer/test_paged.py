@@ -106,3 +106,17 @@ def test_bad_pool_shapes_raise():
   with pytest.raises(ValueError, match='ring_pages=2 needs num_ring_pages >= 2'):
     init_paged_cache(CFG, num_pages=4, page_size=4, batch=1, max_pages=2, ring_pages=2)
   assert ring_pages_needed(512, 16, 64) == 36  # 575 slots -> 36 pages of 16
+
+
+def test_quantized_pools_shard_codes_and_scales_by_the_layout_rules(eight_devices):
+  """Under wg_xy+multihead, pages split over (x, y) and kv heads over z, for the int8 codes
+  and their per-token-and-head scales alike; tables stay replicated."""
+  from qjax import sharding
+  from qjax.infer import shard_pools
+  mesh = sharding.make_mesh('2x2x2', eight_devices)
+  cache = init_paged_cache(CFG, num_pages=8, page_size=P, batch=2, max_pages=4, fmt='int8')
+  cache = shard_pools(cache, sharding.layout_rules('wg_xy+multihead'), mesh)
+  for leaf in jax.tree.leaves(cache.k + cache.v):
+    assert leaf.sharding.spec == jax.sharding.PartitionSpec(('x', 'y'), None, 'z', None)
+    assert leaf.addressable_shards[0].data.shape[:3] == (2, P, 1)
+  assert cache.block_table.sharding.spec == jax.sharding.PartitionSpec()
