@@ -33,7 +33,7 @@ from flax import nnx
 
 from qjax.core import QArray, choose_path, dequantize, fake_quant, qeinsum
 from qjax.core import scale_shape
-from qjax.core.decode_paths import float_einsum
+from qjax.core.decode_paths import float_einsum, matrix_einsum
 from qjax.core.learned import learned_fake_quant, pact_clip
 from qjax.core.qdot import INT8_ACT
 from qjax.core.qdot import parse_spec as _core_parse_spec
@@ -294,7 +294,8 @@ class Einsum(nnx.Module):
     if w.dtype == jnp.bfloat16 and x.dtype != w.dtype:
       # bf16 params with f32 compute: no per-call f32 copy of the weight (decode_paths).
       return float_einsum(self.spec, x, w, out_dtype)
-    return jnp.einsum(self.spec, x, w.astype(x.dtype), preferred_element_type=out_dtype)
+    # A 2-D dot: XLA:CPU may otherwise copy the weight to the activations' axis order.
+    return matrix_einsum(self.spec, x, w.astype(x.dtype), out_dtype)
 
   def outlier_forward(self, x: jax.Array, w: QArray,
                       out_dtype=None) -> tuple[jax.Array, jax.Array]:
