@@ -13,7 +13,7 @@ Points (`sweep()` sets `point.kind` and overrides; rows of results.jsonl, resuma
   full-bfloat16               every weight fine-tuned in bf16 (AdamW states in bf16), the
                               same steps, for the memory and quality comparison
 Data: Tiny Shakespeare (vendored), GGUF tokenizer; the last 10% is held out: scored windows
-  of 512 tokens (BOS first, the PTQ protocol) come from it, training windows of
+  of BOS + 512 scored tokens come from it, training windows of
   `train.seq_len` tokens (BOS first) and GPTQ's calibration windows from the first 90%.
 Memory: peak RSS while training, measured (VmHWM reset before the first step), for the whole
   process: the model it trains included. A QLoRA point holds only the quantized base (the
@@ -46,7 +46,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.corpus = 'tinyshakespeare'   # a qjax.data corpus
   c.data.valid_fraction = 0.1
-  c.data.eval_window = 512            # scored tokens per window + 1 (BOS first)
+  c.data.eval_window = 512            # scored tokens per window (windows are BOS + these)
   c.data.eval_windows = 4
   c.data.eval_batch = 1
 

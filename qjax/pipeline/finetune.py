@@ -120,9 +120,10 @@ class FinetuneContext:
   def ppl(self, model) -> float:
     return qeval.perplexity(model, self.eval_windows, self.eval_batch)['ppl']
 
-  def quantized_base(self, q, calib=None, options=None):
+  def quantized_base(self, q, calib=None, options=None, keep_float: bool = False):
     """(qmodel, report, calibration, policy) of the float model under quant config `q`,
-    computed once per distinct config; the float model is then dropped."""
+    computed once per distinct config; the float model is then dropped (unless
+    `keep_float`: a teacher needs it)."""
     key = ptq.point_name(q)
     if key not in self._bases:
       self._bases.clear()  # one quantized base resident at a time
@@ -140,7 +141,8 @@ class FinetuneContext:
                     source=self.calib_source, seed=calib.seed)
         qm, report, cal = apply_method(fm, policy, q.method, self.calib_tokens, opts)
       self._bases[key] = (qm, report, cal, policy)
-      self.drop_float()
+      if not keep_float:
+        self.drop_float()
     return self._bases[key]
 
   def base_ppl(self, q, calib=None, options=None) -> float:
@@ -378,8 +380,10 @@ def gemma_context(c, log=print) -> FinetuneContext:
   """Gemma 3 270M (the GGUF, dequantized to f32) on a vendored corpus (`c.data`).
 
   Training windows come from the first 1 - valid_fraction of the corpus; scored windows
-  (`c.data.eval_windows` x `c.data.eval_window` tokens, BOS first, the PTQ protocol) from the
-  rest; calibration windows (GPTQ / AWQ) from the training part.
+  (`c.data.eval_windows` windows of BOS + `c.data.eval_window` scored tokens) from the rest;
+  with `c.data.scored = 'head'` the first windows are scored and the rest trains (the PTQ
+  sweep's protocol on WikiText-2 valid). Calibration windows (GPTQ / AWQ) come from the
+  training part.
   """
   from qjax import data as qjax_data  # pylint: disable=g-import-not-at-top
   from qjax.checkpoints.gemma3 import load_gemma3_270m  # pylint: disable=g-import-not-at-top
@@ -388,8 +392,13 @@ def gemma_context(c, log=print) -> FinetuneContext:
   bos = tok.token_to_id('<bos>')
   gtok = gemma.GemmaTokenizer(tok, info['sha256'])
   ids = gtok.encode(qjax_data.corpus(c.data.corpus))
-  train, valid = split_corpus(ids, c.data.valid_fraction)
-  windows = gemma.bos_windows(valid, bos, c.data.eval_window + 1, c.data.eval_windows)
+  if c.data.get('scored', 'tail') == 'head':  # the PTQ protocol: the first windows are scored
+    n = c.data.eval_windows * (c.data.eval_window + 1)
+    windows = gemma.bos_windows(ids, bos, c.data.eval_window + 1, c.data.eval_windows)
+    train, valid = ids[n:], ids[:n]
+  else:
+    train, valid = split_corpus(ids, c.data.valid_fraction)
+    windows = gemma.bos_windows(valid, bos, c.data.eval_window + 1, c.data.eval_windows)
   calib = qdata.random_windows(train, c.calib.num_sequences, c.calib.seq_len, c.calib.seed)
   calib[:, 0] = bos
   holder = {'model': model}
@@ -418,8 +427,8 @@ def tiny_context(c, log=print) -> FinetuneContext:
   ids = tok.encode(qjax_data.corpus(c.data.corpus))
   train, valid = split_corpus(ids, c.data.valid_fraction)
   windows = qdata.eval_windows(valid, c.data.eval_window, c.data.eval_windows)
-  cfg = TransformerConfig(vocab_size=tok.vocab_size, max_len=max(c.data.eval_window,
-                                                                 c.train.seq_len),
+  seq_len = (c.train if 'train' in c else c.qat).seq_len
+  cfg = TransformerConfig(vocab_size=tok.vocab_size, max_len=max(c.data.eval_window, seq_len),
                           **c.model.to_dict())
   calib = qdata.random_windows(train, c.calib.num_sequences, c.calib.seq_len, c.calib.seed)
   base_hash = qckpt.content_sha256(nnx.state(Transformer(cfg, rngs=nnx.Rngs(c.seed))))
