@@ -221,7 +221,8 @@ class Engine:
     if isinstance(prompt, str):
       if self.tokenizer is None:
         raise ValueError(f'request {rid}: a text prompt needs Engine(..., tokenizer=).')
-      prompt = list(self.tokenizer.encode(prompt))
+      encoded = self.tokenizer.encode(prompt)
+      prompt = list(getattr(encoded, 'ids', encoded))  # a `tokenizers` Encoding, or a list
     prompt = [int(t) for t in prompt]
     vocab = self.model.config.vocab_size
     if not prompt:
@@ -333,6 +334,29 @@ class Engine:
       raise ValueError(f'{len(plist)} SamplingParams for {len(prompts)} prompts; give one per '
                        'prompt or a single one.')
     return [self.add_request(prompt, prm) for prompt, prm in zip(prompts, plist)]
+
+  def stream_text(self, prompt: Union[str, Sequence[int]],
+                  params: Optional[SamplingParams] = None) -> Iterator[str]:
+    """Serve one request and yield its output text as it grows (needs a tokenizer).
+
+    The whole output is decoded after each token and only the new suffix is yielded, held
+    back while it ends in an incomplete character (U+FFFD), so the pieces concatenate to
+    `tokenizer.decode(output)`. Other queued requests run alongside it.
+    """
+    if self.tokenizer is None:
+      raise ValueError('Engine.stream_text: build the engine with Engine(..., tokenizer=).')
+    rid = self.add_request(prompt, params)
+    shown = ''
+    for got, _ in self.run():
+      if got != rid:
+        continue
+      text = self.tokenizer.decode(self._seqs[rid].output)
+      if text.startswith(shown) and len(text) > len(shown) and not text.endswith('\ufffd'):
+        yield text[len(shown):]
+        shown = text
+    text = self.tokenizer.decode(self._seqs[rid].output)
+    if text != shown:
+      yield text[len(shown):] if text.startswith(shown) else text
 
   def run(self) -> Iterator[tuple[str, int]]:
     """Step until every queued request is done, yielding (request id, token) events."""

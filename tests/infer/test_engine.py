@@ -147,3 +147,25 @@ def test_sharded_engine_gives_the_unsharded_tokens(model, eight_devices):
     Engine(model, EngineConfig(num_pages=20, page_size=4), mesh=mesh, layout='wg_xyz+mq_batch')
   with pytest.raises(ValueError, match='mesh= needs layout='):
     Engine(model, cfg, mesh=mesh)
+
+
+class _ByteTokenizer:
+  """Token id = one UTF-8 byte (the tiny model's vocabulary of 256)."""
+
+  def encode(self, text):
+    return list(text.encode('utf-8'))
+
+  def decode(self, ids):
+    return bytes(ids).decode('utf-8', errors='replace')
+
+
+def test_stream_text_pieces_concatenate_to_the_decoded_output(model):
+  tok = _ByteTokenizer()
+  engine = Engine(model, EngineConfig(max_batch=2, page_size=4, num_pages=32, chunk_size=8),
+                  tokenizer=tok)
+  pieces = list(engine.stream_text('héllo', SamplingParams(temperature=0.0, max_tokens=6)))
+  out = engine.output('0')
+  assert len(out) == 6 and ''.join(pieces) == tok.decode(out)
+  assert out == _alone(model, tok.encode('héllo'), 6)  # 6 prompt bytes: é is two
+  with pytest.raises(ValueError, match='stream_text: build the engine with'):
+    next(Engine(model).stream_text([1, 2]))

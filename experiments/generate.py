@@ -1,0 +1,76 @@
+r"""Type a prompt, watch the engine stream the continuation (Gemma 3 270M or a tiny model).
+
+  XLA_FLAGS= .venv/bin/python -m experiments.generate --config=configs/engine_generate.py \
+      --prompt='To be, or not to be, that is the'
+
+Without --prompt, prompts are read from stdin, one per line. See the config's docstring.
+"""
+
+import sys
+import time
+
+from absl import app
+from absl import flags
+from flax import nnx
+from ml_collections import config_flags
+
+from qjax import infer
+from qjax.core import int_format
+from qjax.nn import QuantPolicy, QuantRule, Transformer, TransformerConfig, quantize_model
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/engine_generate.py',
+                                          lock_config=True)
+_PROMPT = flags.DEFINE_multi_string('prompt', [], 'prompt(s); none: read stdin lines')
+
+WEIGHTS = {'int8': int_format(8), 'int4_g128': int_format(4, group_size=128)}
+
+
+class _Bytes:
+  """The tiny model's tokenizer: one token per UTF-8 byte."""
+
+  def encode(self, text):
+    return list(text.encode('utf-8'))
+
+  def decode(self, ids):
+    return bytes(ids).decode('utf-8', errors='replace')
+
+
+def _model(c):
+  if c.model == 'tiny':
+    cfg = TransformerConfig.tiny(max_len=c.engine.max_len)
+    return Transformer(cfg, rngs=nnx.Rngs(c.seed)), _Bytes()
+  from qjax.checkpoints.gemma3 import load_gemma3_270m  # pylint: disable=g-import-not-at-top
+  model, tok, info = load_gemma3_270m()
+  print(f"loaded Gemma 3 270M in {info['seconds']:.1f} s", file=sys.stderr)
+  return model, tok
+
+
+def main(argv):
+  del argv
+  c = _CONFIG.value
+  model, tok = _model(c)
+  if c.weights != 'float':
+    if c.weights not in WEIGHTS:
+      raise ValueError(f'weights={c.weights!r}; use float or one of {sorted(WEIGHTS)}.')
+    policy = QuantPolicy((QuantRule('embed', exempt=True), QuantRule('.*', WEIGHTS[c.weights])))
+    model, _ = quantize_model(model, policy)
+  engine = infer.Engine(model, infer.EngineConfig(kv_format=c.kv_format or None, **c.engine),
+                        tokenizer=tok)
+  prompts = _PROMPT.value or (line.rstrip('\n') for line in sys.stdin)
+  for i, prompt in enumerate(prompts):
+    if not prompt:
+      break
+    params = infer.SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                                  repetition_penalty=c.repetition_penalty,
+                                  max_tokens=c.max_tokens, seed=c.seed + i)
+    t0 = time.perf_counter()
+    print(prompt, end='', flush=True)
+    for piece in engine.stream_text(prompt, params):
+      print(piece, end='', flush=True)
+    seconds = time.perf_counter() - t0
+    print(f'\n[{c.max_tokens} tokens max, {seconds:.1f} s incl. compilation on the first '
+          f'prompt; weights {c.weights}, KV {engine.cache.format}]', file=sys.stderr)
+
+
+if __name__ == '__main__':
+  app.run(main)
