@@ -10,9 +10,13 @@ It sits above `train`, `eval`, `algorithms` and `checkpoints` (nothing in qjax i
     rows = pipeline.run_ptq_sweep(config, points)             # a config's sweep()
     rows = pipeline.run_qat_sweep(config, points)             # RTN vs QAT vs QAT + distillation
 
+    rows = pipeline.finetune.run_finetune_sweep(config, points, ctx)  # QLoRA vs full FT
+    rows = pipeline.finetune_qat.run_qat_gemma_sweep(config, points, ctx)  # QAT + distill
+
 Gemma 3 270M's evaluation data and per-source-type metrics are in `qjax.pipeline.gemma`.
 """
 
+from qjax.pipeline import finetune, finetune_qat
 from qjax.pipeline.manifest import (provenance, provenance_changes, read_manifest,
                                     verify_checkpoint)
 from qjax.pipeline.ptq import (FloatReference, base_checkpoint_hash, calibration_set,
@@ -32,5 +36,5 @@ __all__ = [
     'load_teacher', 'load_trained', 'make_policy', 'model_config', 'point_name', 'qat_point',
     'qat_point_name', 'quantize', 'quantize_and_evaluate', 'recovered', 'resolved_path',
     'run_ptq_sweep', 'run_qat_sweep', 'save_and_verify', 'sweep_point_name', 'train',
-    'train_loop', 'train_step',
+    'train_loop', 'train_step', 'finetune', 'finetune_qat',
 ]

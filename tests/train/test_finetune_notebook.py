@@ -1,0 +1,15 @@
+"""colab/qlora.ipynb executes in its small mode: the adapter API on an int4 model (training
+lowers the loss, the base hash is unchanged, adapters reload onto the same base and a wrong
+base is refused) and the fine-tuning pipeline (QLoRA beats the quantized base; the merged,
+re-quantized model reloads bit for bit with a record stating the adapters and their merge)."""
+
+
+def test_qlora_notebook_runs(run_notebook):
+  text, _ = run_notebook('qlora.ipynb', QJAX_NB_SMALL='1')
+  for fact in ('loss went down: True', 'base unchanged (content hash): True',
+               'adapters reloaded onto the same base: True', 'wrong base refused: True',
+               'QLoRA improves on the quantized base: True',
+               'merged + re-quantized reloads bit-identical: True',
+               'adapter_merge_status: merged: ', "'before_merge_ppl'", "'after_merge_ppl'"):
+    assert fact in text, (fact, text)
+  assert 'trained on base' in text  # the refusal names the mismatch
