@@ -15,7 +15,7 @@ Protocol: perplexity on the first `eval.windows` 512-token windows of WikiText-2
 Tiny Shakespeare (BOS first in every window, benchmarks/gemma_ppl.py's protocol); logits on
 the first WikiText-2 window; greedy agreement of 16 tokens after 4 prompts of 32 tokens taken
 after the evaluated windows; tasks from WikiText-2 valid (seed 0); sensitivity on one
-128-token Tiny Shakespeare window (KL with only that layer rounded); GPTQ calibrated on
+64-token Tiny Shakespeare window (KL with only that layer rounded); GPTQ calibrated on
 16 x 256 WikiText-2 tokens after the evaluated and prompt windows; perplexity by position over
 one 4096-token window (blockwise attention); memory at batch 1, context 1024, prefill 512;
 latency prefill 128 tokens, 8 decode steps, batch 1 and 8; context limit under 1.5 GiB.
@@ -42,7 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict(dict(window=512, windows=4, batch=1, logit_tokens=512,
                                           prompt_len=32, greedy_prompts=4, greedy_tokens=16,
                                           long_window=4096))
-  c.sensitivity = ml_collections.ConfigDict(dict(tokens=128))
+  c.sensitivity = ml_collections.ConfigDict(dict(tokens=64))
   c.calib = ml_collections.ConfigDict(dict(seq_len=256, num_sequences=16, batch_size=4))
   c.tasks = ml_collections.ConfigDict(dict(corpus='wikitext2_valid', n_items=50,
                                            context_tokens=48, seed=0, batch=8))

@@ -33,16 +33,30 @@ def _workload(phase_cfg) -> costmodel.Workload:
   return costmodel.Workload(**phase_cfg.to_dict())
 
 
+def _spec(value):
+  """A preset name, or a config section describing a custom model / chip."""
+  return value if isinstance(value, str) else value.to_dict()
+
+
+def _model(cfg) -> costmodel.ModelShape:
+  return costmodel.model_from_spec(_spec(cfg.model))
+
+
+def _chip(cfg) -> costmodel.Chip:
+  return costmodel.chip_from_spec(_spec(cfg.chip))
+
+
 def _layouts(cfg) -> list:
+  pad_kv = bool(cfg.get('pad_kv_heads', False))
   if cfg.layouts == 'all':
-    return costmodel.all_layouts(cfg.pad_heads)
-  return [costmodel.Layout(*name.strip().split('+'), pad_heads=cfg.pad_heads)
-          for name in cfg.layouts.split(',')]
+    return costmodel.all_layouts(cfg.pad_heads, pad_kv)
+  return [costmodel.Layout(*name.strip().split('+'), pad_heads=cfg.pad_heads,
+                           pad_kv_heads=pad_kv) for name in cfg.layouts.split(',')]
 
 
 def _plan(cfg, phase: str, workload: costmodel.Workload, layouts, require_fit: bool):
   return costmodel.plan(
-      cfg.model, cfg.chip, workload, cfg.n_chips, phase, layouts=layouts,
+      _model(cfg), _chip(cfg), workload, cfg.n_chips, phase, layouts=layouts,
       meshes=[cfg.mesh] if cfg.mesh else None, interconnect=cfg.interconnect,
       combine=cfg.combine, efficiency=costmodel.Efficiency(**cfg.efficiency.to_dict()),
       pad_heads=cfg.pad_heads, require_fit=require_fit)
@@ -77,7 +91,7 @@ def _reason(rejected, layout) -> str:
 def phase_table(cfg, phase: str, workload: costmodel.Workload) -> str:
   """One row per layout (its best mesh); layouts with identical numbers share a row."""
   layouts = _layouts(cfg)
-  head = (f'== {phase}: {cfg.model} on {cfg.n_chips} x {cfg.chip}, batch {workload.batch}, '
+  head = (f'== {phase}: {_model(cfg).name} on {cfg.n_chips} x {_chip(cfg).name}, batch {workload.batch}, '
           f'prompt {workload.prompt_len}, generate {workload.gen_len}, bits w/a/kv '
           f'{workload.weight_bits:g}/{workload.act_bits:g}/{workload.kv_bits:g} '
           f'(times per step; total = steps x step) ==')
@@ -155,7 +169,7 @@ def plot(cfg, path: str) -> None:
               linestyle=('-', '--', ':')[costmodel.ATTN_LAYOUTS.index(attn)])
     ax.set(xscale='log', yscale='log', xlabel='batch (sequences)',
            ylabel='step latency (s)' + (', per token' if phase == 'decode' else ''),
-           title=f'{phase}: {cfg.model}, {cfg.n_chips} x {cfg.chip}')
+           title=f'{phase}: {_model(cfg).name}, {cfg.n_chips} x {_chip(cfg).name}')
     ax.grid(True, which='both', alpha=0.3)
   axes[1].legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.02, 1.0))
   fig.tight_layout()
@@ -168,7 +182,10 @@ def main(argv):
   del argv
   cfg = _CONFIG.value
   try:  # fail on a bad name or number before any work, without a traceback
-    costmodel.get_model(cfg.model), costmodel.get_chip(cfg.chip), _layouts(cfg)
+    _model(cfg), _chip(cfg), _layouts(cfg)
+    if cfg.combine not in costmodel.COMBINE_RULES:
+      raise ValueError(f'--config.combine={cfg.combine!r} is unknown; use one of '
+                       f'{list(costmodel.COMBINE_RULES)}.')
     _workload(cfg.prefill), _workload(cfg.decode)
     costmodel.Efficiency(**cfg.efficiency.to_dict())
     if isinstance(cfg.n_chips, bool) or not isinstance(cfg.n_chips, int) or cfg.n_chips < 1:
@@ -183,16 +200,22 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(f'Bad config: {e}') from None
   out_dir = cfg.out_dir or os.path.join('results', 'plan', cfg.name)
+  model, chip = _model(cfg), _chip(cfg)
   os.makedirs(out_dir, exist_ok=True)
 
   sections = [phase_table(cfg, phase, _workload(getattr(cfg, phase)))
               for phase in costmodel.PHASES]
   if cfg.compare_paper:
     sections.append(paper_table())
-  rule = ('max(compute, memory) + comm' if cfg.combine == 'serial'
-          else 'max(compute, memory, comm)')
-  sections.append(f'interconnect model: {cfg.interconnect}; combining rule: {cfg.combine} '
-                  f'({rule}); efficiency: {cfg.efficiency.to_dict()}')
+  rule = costmodel.COMBINE_TEXT[cfg.combine]
+  sections.append(f'model: {model.name} ({model.n_params:,} parameters, '
+                  f'{model.kv_bytes_per_token(16):,.0f} KV bytes per token at 16 bits); chip: '
+                  f'{chip.name} ({chip.hbm_bytes:.4g} B HBM at {chip.hbm_bw:.4g} B/s, '
+                  f'{chip.bf16_flops:.4g} FLOP/s bf16, {chip.ici_bw:.4g} B/s interconnect)\n'
+                  f'interconnect model: {cfg.interconnect}; combining rule: {cfg.combine} '
+                  f'({rule}); kv heads padded to the shard count: '
+                  f'{bool(cfg.get("pad_kv_heads", False))}; efficiency: '
+                  f'{cfg.efficiency.to_dict()}')
   text = '\n\n'.join(sections)
   print(text)
   with open(os.path.join(out_dir, 'table.txt'), 'w') as f:

@@ -116,6 +116,35 @@ def get_chip(chip: 'str | Chip') -> Chip:
   return _names.lookup('chip preset', chip, CHIPS)
 
 
+_CHIP_KEYS = ('bf16_flops', 'int8_flops', 'fp8_flops', 'hbm_bytes', 'hbm_bw', 'ici_bw',
+              'ici_links', 'topology', 'domain_size', 'scaleout_bw')
+
+
+def chip_from_spec(spec) -> Chip:
+  """A preset name, a `Chip`, or a mapping describing a custom chip ({'name', 'bf16_flops',
+  'hbm_bytes', 'hbm_bw', 'ici_bw', optional 'int8_flops', 'fp8_flops', 'ici_links' (default
+  6), 'topology', 'domain_size', 'scaleout_bw'}; SI units: FLOP/s, bytes, bytes/s).
+
+  Raises:
+    ValueError: an unknown preset, an unknown key or a missing one (named).
+  """
+  if isinstance(spec, (str, Chip)):
+    return get_chip(spec)
+  spec = dict(spec)
+  name = spec.pop('name', 'custom')
+  unknown = sorted(set(spec) - set(_CHIP_KEYS))
+  if unknown:
+    raise ValueError(f'custom chip {name!r}: unknown key(s) {unknown}; allowed: '
+                     f'{list(_CHIP_KEYS)}.')
+  missing = [k for k in ('bf16_flops', 'hbm_bytes', 'hbm_bw', 'ici_bw') if k not in spec]
+  if missing:
+    raise ValueError(f'custom chip {name!r}: missing {missing} (FLOP/s, bytes, bytes/s).')
+  spec.setdefault('int8_flops', None)
+  spec.setdefault('fp8_flops', None)
+  spec.setdefault('ici_links', 6)
+  return Chip(name, **spec)
+
+
 def critical_batch(chip: 'str | Chip', weight_bits: float = 16,
                    compute_bits: float = 16) -> float:
   """Tokens per forward pass above which a weight-streaming matmul is compute bound.

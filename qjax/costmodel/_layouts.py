@@ -88,11 +88,15 @@ class Layout:
     attn: one of ATTN_LAYOUTS.
     pad_heads: if the heads do not divide the group they are split over, pad them up to a
       multiple instead of failing (Pope et al. padded PaLM 540B from 48 to 64 heads).
+    pad_kv_heads: for 'multihead' attention, pad kv heads up to a multiple of the group they
+      are split over instead of failing (each shard then holds whole kv heads; the padding
+      costs cache memory and bandwidth).
   """
 
   ffn: str = '2d_ws'
   attn: str = 'mq_batch'
   pad_heads: bool = False
+  pad_kv_heads: bool = False
 
   def __post_init__(self):
     if self.ffn not in FFN_LAYOUTS:
@@ -178,12 +182,15 @@ def shard_plan(model: _models.ModelShape, mesh: Mesh, layout: Layout, batch: int
   # scatter into the hidden dimension), the non-gathered ones for weight-gathered layouts.
   head_axes = model_axes
   n_head_groups = mesh.size(head_axes)
+  if layout.attn == 'multihead' and model.n_kv_heads % n_head_groups and layout.pad_kv_heads:
+    model = model.padded_kv(n_head_groups)
   if layout.attn == 'multihead' and model.n_kv_heads % n_head_groups:
     raise ValueError(
         f"Attention layout 'multihead' with {layout.ffn!r} splits kv heads over mesh axes "
         f'{_axes_str(mesh, head_axes)}, but {model.name} has {model.n_kv_heads} kv heads, not '
         f'divisible by {n_head_groups} (padding would invent kv heads). Use attention '
-        f"'mq_batch' (cache split over the batch) or 'mq_heads' (cache replicated)"
+        f"'mq_batch' (cache split over the batch) or 'mq_heads' (cache replicated), "
+        f'Layout(pad_kv_heads=True) to pad kv heads to {n_head_groups}'
         + (f', or a mesh whose {"*".join(head_axes)} group divides {model.n_kv_heads} '
            f'({_divisors_hint(mesh, model.n_kv_heads)}).' if model.n_kv_heads > 1 else '.'))
   if layout.attn in ('multihead', 'mq_heads') and model.n_heads % n_head_groups:

@@ -105,6 +105,105 @@ class ModelShape:
     n_heads = math.ceil(self.n_heads / multiple) * multiple
     return dataclasses.replace(self, n_heads=n_heads)
 
+  def padded_kv(self, multiple: int) -> 'ModelShape':
+    """A copy with kv heads rounded up to a multiple of `multiple` (and query heads to at
+    least as many), so a heads-sharded cache splits evenly; the padded heads cost cache
+    memory, bandwidth and projection weights but do no useful work."""
+    n_kv = math.ceil(self.n_kv_heads / multiple) * multiple
+    n_heads = max(self.n_heads, n_kv)
+    n_heads = math.ceil(n_heads / n_kv) * n_kv
+    return dataclasses.replace(self, n_kv_heads=n_kv, n_heads=n_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class TotalsShape(ModelShape):
+  """A model known only by totals: parameter count and KV-cache bytes per token.
+
+  The per-layer shape fields still say how wide activations are (for communication and
+  attention FLOPs); the parameter count and the cache size come from the totals instead.
+
+  Attributes:
+    total_params: all parameters (embeddings included).
+    total_kv_bytes_per_token: KV-cache bytes one token of one sequence takes over all layers
+      at 16 bits per element (scaled by kv_bits / 16).
+  """
+
+  total_params: int = 0
+  total_kv_bytes_per_token: float = 0.0
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not (isinstance(self.total_params, int) and self.total_params > self.embed_params):
+      raise ValueError(f'ModelShape {self.name!r}: n_params={self.total_params!r} must be an int '
+                       f'larger than the embedding (vocab x d_model = {self.embed_params}).')
+    if not self.total_kv_bytes_per_token > 0:
+      raise ValueError(f'ModelShape {self.name!r}: kv_bytes_per_token='
+                       f'{self.total_kv_bytes_per_token!r} must be > 0 (bytes at 16 bits).')
+
+  @property
+  def layer_params(self) -> float:
+    return (self.total_params - self.embed_params) / self.n_layers
+
+  @property
+  def n_params(self) -> int:
+    return self.total_params
+
+  def kv_bytes_per_token(self, kv_bits: float = 16) -> float:
+    return self.total_kv_bytes_per_token * kv_bits / 16
+
+  def padded(self, multiple: int) -> 'ModelShape':
+    return self  # a totals model has no heads to pad: its totals are what they are
+
+  def padded_kv(self, multiple: int) -> 'ModelShape':
+    return self
+
+
+_SHAPE_FIELDS = ('n_layers', 'd_model', 'd_ff', 'n_heads', 'head_dim', 'n_kv_heads', 'vocab',
+                 'glu', 'tied_embeddings', 'parallel_block')
+
+
+def model_from_spec(spec) -> ModelShape:
+  """A preset name, a `ModelShape`, or a mapping describing a custom model.
+
+  A mapping gives either the shape ({'name', 'n_layers', 'd_model', 'd_ff', 'n_heads',
+  'head_dim', 'n_kv_heads', 'vocab', optional 'glu', 'tied_embeddings', 'parallel_block'}) or
+  totals ({'n_params', 'kv_bytes_per_token' (at 16 bits), 'n_layers', 'd_model', optional
+  'vocab' (default 1), 'd_ff' (default 4 d_model), 'n_heads', 'head_dim'}).
+
+  Raises:
+    ValueError: an unknown preset, an unknown key, or a missing one (named).
+  """
+  if isinstance(spec, (str, ModelShape)):
+    return get_model(spec)
+  spec = dict(spec)
+  name = spec.pop('name', 'custom')
+  if 'n_params' in spec or 'kv_bytes_per_token' in spec:
+    allowed = {'n_params', 'kv_bytes_per_token', 'n_layers', 'd_model', 'vocab', 'd_ff',
+               'n_heads', 'head_dim', 'n_kv_heads', 'glu', 'tied_embeddings', 'parallel_block'}
+    need = ('n_params', 'kv_bytes_per_token', 'n_layers', 'd_model')
+  else:
+    allowed, need = set(_SHAPE_FIELDS), _SHAPE_FIELDS[:7]
+  unknown = sorted(set(spec) - allowed)
+  if unknown:
+    raise ValueError(f'custom model {name!r}: unknown key(s) {unknown}; allowed: '
+                     f'{sorted(allowed)}.')
+  missing = [k for k in need if k not in spec]
+  if missing:
+    raise ValueError(f'custom model {name!r}: missing {missing} (a shape needs '
+                     f'{list(_SHAPE_FIELDS[:7])}; totals need n_params, kv_bytes_per_token, '
+                     'n_layers, d_model).')
+  if 'n_params' not in spec:
+    return ModelShape(name, **spec)
+  d = spec['d_model']
+  head_dim = spec.pop('head_dim', 128)
+  return TotalsShape(name, n_layers=spec['n_layers'], d_model=d, d_ff=spec.get('d_ff', 4 * d),
+                     n_heads=spec.get('n_heads', max(1, d // head_dim)), head_dim=head_dim,
+                     n_kv_heads=spec.get('n_kv_heads', 1), vocab=spec.get('vocab', 1),
+                     glu=spec.get('glu', False), tied_embeddings=spec.get('tied_embeddings', True),
+                     parallel_block=spec.get('parallel_block', False),
+                     total_params=spec['n_params'],
+                     total_kv_bytes_per_token=float(spec['kv_bytes_per_token']))
+
 
 # PaLM: Chowdhery et al. 2022, Table 1 (SwiGLU, multiquery, parallel block, shared embeddings,
 # d_ff = 4 d_model, vocab 256k). n_params: 8.63B, 62.50B, 540.35B.

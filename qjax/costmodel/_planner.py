@@ -26,9 +26,9 @@ def mesh_factorizations(n_chips: int) -> list:
           if (n_chips // x) % y == 0]
 
 
-def all_layouts(pad_heads: bool = True) -> list:
+def all_layouts(pad_heads: bool = True, pad_kv_heads: bool = False) -> list:
   """Every feed-forward x attention layout pair (15)."""
-  return [_layouts.Layout(f, a, pad_heads) for f, a in
+  return [_layouts.Layout(f, a, pad_heads, pad_kv_heads) for f, a in
           itertools.product(_layouts.FFN_LAYOUTS, _layouts.ATTN_LAYOUTS)]
 
 
@@ -89,7 +89,8 @@ def plan(model, chip, workload: _roofline.Workload, n_chips, phase: str = 'decod
          objective: str = 'latency', max_step_latency_s: Optional[float] = None,
          interconnect: str = 'all_links', combine: str = 'serial',
          efficiency: _roofline.Efficiency = _roofline.Efficiency(),
-         pad_heads: bool = True, require_fit: bool = True) -> Plan:
+         pad_heads: bool = True, require_fit: bool = True,
+         pad_kv_heads: bool = False) -> Plan:
   """Finds the layout and mesh with the best objective that fits in HBM.
 
   Args:
@@ -104,6 +105,7 @@ def plan(model, chip, workload: _roofline.Workload, n_chips, phase: str = 'decod
     max_step_latency_s: reject candidates whose step is slower than this.
     interconnect, combine, efficiency: passed to `estimate`.
     pad_heads: let heads-sharded layouts pad heads that do not divide (as Pope et al. did).
+    pad_kv_heads: let 'multihead' attention pad kv heads to the group it splits them over.
     require_fit: drop candidates that overflow HBM (False: keep them, ranked after the
       ones that fit, e.g. to print them).
 
@@ -114,7 +116,7 @@ def plan(model, chip, workload: _roofline.Workload, n_chips, phase: str = 'decod
     ValueError: if the weights cannot fit at any chip count (with the bytes), or if nothing
       is left after the search (with the reasons).
   """
-  model, chip = _models.get_model(model), _chips.get_chip(chip)
+  model, chip = _models.model_from_spec(model), _chips.chip_from_spec(chip)
   if objective not in OBJECTIVES:
     raise _names.unknown_name('objective', objective, OBJECTIVES)
   counts = [n_chips] if isinstance(n_chips, int) else list(n_chips)
@@ -135,7 +137,7 @@ def plan(model, chip, workload: _roofline.Workload, n_chips, phase: str = 'decod
   if message:
     raise ValueError(message)
   if layouts is None:
-    layouts = all_layouts(pad_heads)
+    layouts = all_layouts(pad_heads, pad_kv_heads)
   layouts = [_layouts.as_layout(lay) for lay in layouts]
   if meshes is None:
     meshes = [m for n in counts for m in mesh_factorizations(n)]
@@ -201,7 +203,7 @@ def max_context_len(model, chip, mesh, layout, batch: int, kv_bits: float = 16,
   Returns:
     Tokens of context per sequence.
   """
-  model, chip = _models.get_model(model), _chips.get_chip(chip)
+  model, chip = _models.model_from_spec(model), _chips.chip_from_spec(chip)
   mesh, layout = _layouts.as_mesh(mesh), _layouts.as_layout(layout)
   if not 0 < kv_fraction <= 1:
     raise ValueError(f'kv_fraction is a share of HBM in (0, 1], got {kv_fraction!r}.')

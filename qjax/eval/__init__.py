@@ -4,7 +4,7 @@ from qjax.eval.metrics import (greedy_agreement, kl_divergence, logit_diff, logi
                                unigram_perplexity)
 from qjax.eval.report import markdown_table, plot_ppl_vs_bytes
 from qjax.eval._validation_report import compare_markdown
-from qjax.eval.validate import validate
+from qjax.eval.validation import validate
 from qjax.eval.sweep import (append_result, check_base, read_results, repair_tail,
                              require_success, run_sweep)
 
@@ -12,4 +12,4 @@ __all__ = ['append_result', 'check_base', 'read_results', 'repair_tail', 'requir
            'run_sweep', 'greedy_agreement', 'kl_divergence', 'logit_diff', 'logits', 'markdown_table',
            'perplexity', 'plot_ppl_vs_bytes', 'unigram_perplexity', 'validate', 'compare_markdown']
 # Submodules: qjax.eval.memory (planner), qjax.eval.sensitivity (sensitivity, fallback,
-# mixed precision), qjax.eval.tasks (offline tasks), qjax.eval.validate (the report).
+# mixed precision), qjax.eval.tasks (offline tasks), qjax.eval.validation (the report).

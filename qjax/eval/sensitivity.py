@@ -263,7 +263,8 @@ def mixed_precision(sensitivity: Mapping[str, Mapping[str, float]],
   The predicted loss is the sum of the chosen formats' per-layer sensitivities (KL adds to
   first order for small, independent perturbations). Greedy: every layer starts in its
   smallest format; then the upgrade with the largest loss reduction per extra byte that still
-  fits is applied, until none fits or helps. The budget is never exceeded.
+  fits is applied, until none fits or helps; a uniform assignment that fits and predicts less
+  loss replaces the result. The budget is never exceeded.
 
   Args:
     sensitivity: {path: {format: KL}} (`layer_sensitivity(...)['kl']`).
@@ -304,8 +305,16 @@ def mixed_precision(sensitivity: Mapping[str, Mapping[str, float]],
       break
     _, p, g, extra = best
     choice[p], used = g, used + extra
+  loss = lambda a: float(sum(sensitivity[p][f] for p, f in a.items()))  # noqa: E731
+  # The greedy can stop short of a uniform assignment that fits; never return worse than one.
+  common = set.intersection(*(set(o) for o in opts.values()))
+  for f in sorted(common):
+    uni = {p: f for p in opts}
+    b = sum(nbytes[p][f] for p in opts)
+    if b <= budget and loss(uni) < loss(choice):
+      choice, used = uni, b
   return {'assignment': choice, 'bytes': used, 'budget': int(budget),
-          'predicted_kl': float(sum(sensitivity[p][f] for p, f in choice.items()))}
+          'predicted_kl': loss(choice)}
 
 
 def assignment_bytes(assignment: Mapping[str, str], nbytes) -> int:

@@ -75,6 +75,13 @@ class QuantRule:
       raise ValueError(f'QuantRule({self.pattern!r}): the weight template sets channel_axes='
                        f'{self.weight.channel_axes}, but each layer picks its own axes; drop '
                        "channel_axes and use granularity='channel' or 'tensor'.")
+    if self.act is not None and (self.act.bits != 8 or not self.act.symmetric):
+      # qeinsum reads only the activation format's kind and always quantizes activations to
+      # 8-bit symmetric codes: anything else would run int8 while the record said otherwise.
+      raise ValueError(f'QuantRule({self.pattern!r}): activation format {self.act.name} is not '
+                       'implemented: activations are quantized dynamically to symmetric 8-bit '
+                       'codes only (int8 or fp8). Use act=int_format(8) (W8A8), '
+                       "act=fp8_format('e4m3'), or act=None for weight-only (e.g. W4A16).")
     if self.granularity not in GRANULARITIES:
       raise ValueError(f'QuantRule({self.pattern!r}): granularity={self.granularity!r} is '
                        f'unknown; use one of {GRANULARITIES}.')

@@ -182,8 +182,8 @@ def context_limit(model, policy, *, budget_bytes: int, batch: int = 1,
   used = cm['argument'] + cm['temp'] + cm['output'] - cm['alias']
   cache = init_cache(cfg, batch, s, fmt=kv_format(model))
   cache = dataclasses_replace_length(cache, s - 1)
-  tok, _ = greedy_step(model, jnp.zeros((batch, 1), jnp.int32), cache)
-  jax.block_until_ready(tok)
+  graphdef, state = nnx.split(model)  # the step just analysed, run once at full context
+  jax.block_until_ready(qmemory._step(graphdef, state, jnp.zeros((batch, 1), jnp.int32), cache))
   out.update(compiled_bytes=used, compiled=cm, confirmed=used <= budget_bytes, ran=True)
   return out
 

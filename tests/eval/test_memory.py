@@ -1,0 +1,75 @@
+"""qjax.eval.memory: the planner's predictions against the device bytes of built models."""
+
+import pytest
+from flax import nnx
+
+from qjax.core import int_format
+from qjax.eval import memory
+from qjax.nn import (QuantPolicy, QuantRule, Transformer, TransformerConfig, init_cache,
+                     quantize_model)
+
+CFG = TransformerConfig.tiny()
+POLICIES = {
+    'float': None,
+    'int8': QuantPolicy((QuantRule('.*', int_format(8)),)),
+    'int4-g32': QuantPolicy((QuantRule('.*', int_format(4, group_size=32)),)),
+    'int3-g32 asym, embed float': QuantPolicy((
+        QuantRule('embed', exempt=True),
+        QuantRule('.*', int_format(3, group_size=32, symmetric=False)))),
+}
+
+
+@pytest.fixture(scope='module')
+def model():
+  return Transformer(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize('name', list(POLICIES))
+def test_weight_and_kv_prediction_within_5_percent_of_device_bytes(model, name):
+  policy = POLICIES[name]
+  qmodel = model if policy is None else quantize_model(model, policy)[0]
+  pred = memory.predict(CFG, policy, batch=3, context=40, prompt=8)
+  meas = memory.measure(qmodel, batch=3, context=40, compiled=False)
+  w = pred.weights
+  assert w['codes'] + w['scales'] + w['zero_points'] + w['float'] == w['total']
+  assert abs(w['total'] / meas['weights']['total'] - 1) <= 0.05
+  assert abs(w['float'] / max(meas['weights']['float'], 1) - 1) <= 0.05
+  assert abs(pred.kv / meas['kv'] - 1) <= 0.05
+  if policy is not None:
+    assert w['codes'] > 0 and w['scales'] > 0
+    assert (w['zero_points'] > 0) == ('asym' in name)
+    assert w['total'] < memory.weight_bytes(CFG)['total']
+
+
+def test_quantized_kv_prediction_matches_the_cache():
+  got = memory.kv_bytes(CFG, 2, 16, 'int8')
+  cache = init_cache(CFG, 2, 16, fmt='int8')
+  assert got == memory._device_bytes(cache)
+  assert got < memory.kv_bytes(CFG, 2, 16)  # int8 codes + scales < float32
+
+
+def test_seed_kv_formula_golden():
+  # 2 * L * K * H * T * bytes, + 4 bytes of length per row: 2 * 2 * 2 * 32 * 10 * 4 + 4.
+  assert memory.kv_bytes(CFG, 1, 10) == 2 * 2 * 2 * 32 * 10 * 4 + 4
+
+
+def test_what_fits_is_consistent_with_predict():
+  budget = 400_000
+  out = memory.what_fits(CFG, budget, {k: POLICIES[k] for k in ('float', 'int4-g32')},
+                         batch=1, context=64)
+  for name, r in out.items():
+    policy = POLICIES[name]
+    if r['max_batch']:
+      assert memory.predict(CFG, policy, batch=r['max_batch'], context=64,
+                            prompt=1).total <= budget
+    assert memory.predict(CFG, policy, batch=r['max_batch'] + 1, context=64,
+                          prompt=1).total > budget
+  assert out['int4-g32']['max_batch'] > out['float']['max_batch']
+  assert out['int4-g32']['weights'] < out['float']['weights']
+
+
+def test_bad_workload_is_refused():
+  with pytest.raises(ValueError, match='context=65 exceeds'):
+    memory.predict(CFG, batch=1, context=65)
+  with pytest.raises(ValueError, match='budget_bytes'):
+    memory.what_fits(CFG, 0, {'f': None})
