@@ -12,6 +12,8 @@ Points (`sweep()` sets `point.kind` and overrides; rows of results.jsonl, resuma
   qlora-r16-gptq-int4-g128    the same on a GPTQ base (base precision / method sweep)
   full-bfloat16               every weight fine-tuned in bf16 (AdamW states in bf16), the
                               same steps, for the memory and quality comparison
+  export-gptq-qlora-r4-...    the r4 point's saved adapters loaded onto the RTN base (hash
+                              checked), merged (its float ppl) and re-quantized by GPTQ
 Data: Tiny Shakespeare (vendored), GGUF tokenizer; the last 10% is held out: scored windows
   of BOS + 512 scored tokens come from it, training windows of
   `train.seq_len` tokens (BOS first) and GPTQ's calibration windows from the first 90%.
@@ -102,5 +104,6 @@ def sweep() -> list[dict]:
   return [{'point.kind': 'float'}, {'point.kind': 'base'},
           {'point.kind': 'qlora', 'lora.rank': 4}, {'point.kind': 'qlora', 'lora.rank': 16},
           {'point.kind': 'full'},
+          {'point.kind': 'export', 'lora.rank': 4, 'export.method': 'gptq'},
           {'point.kind': 'base', 'quant.method': 'gptq'},
           {'point.kind': 'qlora', 'lora.rank': 16, 'quant.method': 'gptq'}]

@@ -9,7 +9,10 @@ Point kinds (`config.point.kind`, one per sweep point):
   steps; then merged into the base and re-quantized with `config.export.method` (the
   conversion record states the adapter config, merge status and quality before / after),
   saved and reloaded bit for bit; the adapters are also saved alone (`qjax.train.lora_io`);
-* 'full': every weight of the float base fine-tuned in `config.full.dtype` (bf16).
+* 'full': every weight of the float base fine-tuned in `config.full.dtype` (bf16);
+* 'export': a finished QLoRA point's saved adapters loaded onto the quantized base (its
+  content hash checked), the merged float model scored, re-quantized with
+  `config.export.method` (e.g. GPTQ instead of RTN) and saved with its record.
 
 Training rows report trainable parameters, the median step time and the peak resident
 memory of the process while training (`/proc/self/status` VmHWM, reset just before the
@@ -40,9 +43,10 @@ from qjax.train import data as qdata
 from qjax.train import lora, lora_io
 from qjax.train.optim import make_optimizer
 
-KINDS = ('float', 'base', 'qlora', 'full')
+KINDS = ('float', 'base', 'qlora', 'full', 'export')
 COLUMNS = (('name', 'point'), ('kind', 'kind'), ('base_format', 'base'), ('rank', 'rank'),
-           ('ppl', 'ppl'), ('merged_ppl', 'merged + requantized ppl'),
+           ('ppl', 'ppl'), ('merged_float_ppl', 'merged float ppl'),
+           ('merged_ppl', 'merged + requantized ppl'),
            ('trainable_params', 'trainable params'), ('train_steps', 'steps'),
            ('step_seconds', 'step s (under load)'), ('train_peak_rss_mib', 'peak RSS MiB'),
            ('train_loss_first', 'loss first'), ('train_loss_last', 'loss last'))
@@ -280,6 +284,13 @@ def qlora_point(ctx: FinetuneContext, c, out_dir: str, log=print) -> dict:
     merged = lora.merge_adapters(model)
   finally:
     lora.remove_adapters(model)  # the shared quantized base comes back unwrapped
+  return export_merged(ctx, c, merged, policy, qreport, apolicy, row, out_dir)
+
+
+def export_merged(ctx: FinetuneContext, c, merged, policy, qreport, apolicy, row: dict,
+                  out_dir: str) -> dict:
+  """Re-quantize a merged float model with `c.export.method` under the base's policy, score
+  it, and save it with its conversion record (reloaded bit for bit); the row, completed."""
   e = c.export
   if e.method == 'rtn':
     rq, rreport, rcal = apply_method(merged, policy, 'rtn', None)
@@ -298,6 +309,26 @@ def qlora_point(ctx: FinetuneContext, c, out_dir: str, log=print) -> dict:
   row['reload_bit_identical'] = True
   row['out_dir'] = out_dir
   return row
+
+
+def export_point(ctx: FinetuneContext, c, out_dir: str) -> dict:
+  """Load a finished QLoRA point's saved adapters onto the quantized base (its content hash
+  must match), score the merged float model, re-quantize with `c.export.method`, save."""
+  qbase, qreport, _, policy = ctx.quantized_base(c.quant, c.get('calib'), c.get('options'))
+  adapters = os.path.join(os.path.dirname(out_dir), qlora_name(c), 'adapters')
+  model, record = lora_io.load_adapters(adapters, qbase)
+  try:
+    row = {'base_format': ptq.format_label(c.quant), 'base_method': c.quant.method,
+           'rank': c.lora.rank, 'alpha': c.lora.alpha, 'adapters_dir': adapters,
+           'base_ppl': ctx.base_ppl(c.quant, c.get('calib'), c.get('options')),
+           'ppl': record['adapted_ppl'], 'adapters_sha256': record['content_sha256'],
+           'adapted_layers': sorted(record['adapters']), 'export_method': c.export.method}
+    merged = lora.merge_adapters(model)
+  finally:
+    lora.remove_adapters(model)
+  row['merged_float_ppl'] = ctx.ppl(merged)
+  apolicy = lora.AdapterPolicy.from_dict(record['adapter_policy'])
+  return export_merged(ctx, c, merged, policy, qreport, apolicy, row, out_dir)
 
 
 def full_point(ctx: FinetuneContext, c, log=print) -> dict:
@@ -330,17 +361,28 @@ def finetune_point(ctx: FinetuneContext, c, out_dir: str, log=print) -> dict:
             'weight_bytes': weight_bytes(qm)['total']}
   if c.point.kind == 'qlora':
     return qlora_point(ctx, c, out_dir, log)
+  if c.point.kind == 'export':
+    return export_point(ctx, c, out_dir)
   return full_point(ctx, c, log)
 
 
 def point_name(c) -> str:
-  """'float', 'base-rtn-int4-g128', 'qlora-r8-rtn-int4-g128', 'full-bfloat16'."""
+  """'float', 'base-rtn-int4-g128', 'qlora-r8-rtn-int4-g128', 'full-bfloat16',
+  'export-gptq-qlora-r8-rtn-int4-g128'."""
   if c.point.kind == 'float':
     return 'float'
   if c.point.kind == 'full':
     return f'full-{c.full.dtype}'
-  name = ptq.point_name(c.quant)
-  return f'base-{name}' if c.point.kind == 'base' else f'qlora-r{c.lora.rank}-{name}'
+  if c.point.kind == 'base':
+    return f'base-{ptq.point_name(c.quant)}'
+  if c.point.kind == 'export':
+    return f'export-{c.export.method}-{qlora_name(c)}'
+  return qlora_name(c) + ('' if c.export.method == 'rtn' else f'-export{c.export.method}')
+
+
+def qlora_name(c) -> str:
+  """The QLoRA point whose adapters an 'export' point reads: 'qlora-r8-rtn-int4-g128'."""
+  return f'qlora-r{c.lora.rank}-{ptq.point_name(c.quant)}'
 
 
 def run_finetune_sweep(config, points: list[dict], ctx: FinetuneContext, log=print):
