@@ -24,6 +24,7 @@ from qjax.infer.prefix_cache import PrefixCache, block_hashes
 from qjax.infer.scheduler import Scheduler, StepPlan
 from qjax.infer.scheduler import Sequence as SequenceState
 from qjax.infer.engine import Engine, EngineConfig, EngineStats
+from qjax.infer.spec_engine import SpeculativeEngine
 from qjax.infer.workload import serve, synthetic_workload
 from qjax.infer.trace import TraceRequest, poisson_trace, replay
 from qjax.infer.blockwise import bucket_perplexity, forward_temp_bytes, token_nll

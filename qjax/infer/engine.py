@@ -249,7 +249,13 @@ class Engine:
   # ---- stepping ----------------------------------------------------------------------------
   def step(self) -> list[tuple[str, int]]:
     """Run one batched step; returns (request id, token) of the tokens it generated."""
-    plan = self.scheduler.schedule()
+    return self._run_plan(self.scheduler.schedule())
+
+  def _feed_draft(self, tokens_BT, table, ring, length, num_new) -> None:
+    """Hook: the same step's tokens for a draft model's cache (`SpeculativeEngine`)."""
+
+  def _run_plan(self, plan) -> list[tuple[str, int]]:
+    """One batched step of `plan` (the scheduler's)."""
     if not any(plan.num_new):
       if self.scheduler.waiting:
         raise RuntimeError(f'Engine: {len(self.scheduler.waiting)} requests wait but none can '
@@ -279,6 +285,7 @@ class Engine:
                      [len(plan.rows[r].pages) for r in live], p, self.max_len)
     last = np.maximum(np.asarray(plan.num_new) - 1, 0)
     self.cache = paged.with_step(self.cache, table, ring, length, plan.num_new)
+    self._feed_draft(tokens, table, ring, length, plan.num_new)
     seen = None  # the repetition penalty's tokens seen (prompt and output), when one asks
     if any(prm.repetition_penalty != 1 for prm in params):
       seen = np.zeros((b, self.model.config.vocab_size), bool)
