@@ -181,6 +181,24 @@ def test_remat_gives_the_same_gradient(float_model, tokens):
   assert max(float(jnp.abs(a).max()) for a in jax.tree.leaves(plain)) > 0
 
 
+def test_dropout_acts_in_training_only():
+  """Dropout on the adapter's input: random in train mode, off in eval mode (then the layer
+  is base + delta exactly)."""
+  from qjax.nn.layers import Einsum  # pylint: disable=g-import-not-at-top
+  base = Einsum('BTD,DF->BTF', (16, 8), ('embed', 'mlp'), rngs=nnx.Rngs(0))
+  layer = lora.LoRAEinsum(base, lora.AdapterRule('x', rank=2, dropout=0.5), 'x',
+                          rngs=nnx.Rngs(1))
+  layer.lora_b.set_value(jnp.ones((2, 8)))
+  x = jax.random.normal(jax.random.key(2), (2, 3, 16))
+  want = jnp.einsum('BTD,DF->BTF', x, lora_core.merged_weight(
+      'BTD,DF->BTF', base.w[...], layer.lora_a[...], layer.lora_b[...], layer.scale))
+  layer.train()
+  a, b = layer(x), layer(x)
+  assert np.abs(np.asarray(a - b)).max() > 1e-3  # two draws of the mask
+  layer.eval()
+  np.testing.assert_allclose(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
 # ---- errors ----------------------------------------------------------------------------------
 def test_bad_policies_are_refused_with_the_fix(float_model):
   with pytest.raises(ValueError, match='rank=64 .* larger than layer .*use rank <= 32'):
