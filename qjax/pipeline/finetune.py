@@ -49,6 +49,7 @@ COLUMNS = (('name', 'point'), ('kind', 'kind'), ('base_format', 'base'), ('rank'
            ('merged_ppl', 'merged + requantized ppl'),
            ('trainable_params', 'trainable params'), ('train_steps', 'steps'),
            ('step_seconds', 'step s (under load)'), ('train_peak_rss_mib', 'peak RSS MiB'),
+           ('steady_peak_rss_mib', 'peak RSS after step 1, MiB'),
            ('train_loss_first', 'loss first'), ('train_loss_last', 'loss last'))
 
 
@@ -173,17 +174,21 @@ def run_steps(step_fn: Callable[[jax.Array], jax.Array], ctx: FinetuneContext, t
 
   Returns:
     train_steps, step_seconds (median after the first, compiling, step), first_step_seconds,
-    train_loss_first / last, train_peak_rss_mib, rss_before_train_mib.
+    train_loss_first / last, rss_before_train_mib, first_step_peak_rss_mib (the compiling
+    step), steady_peak_rss_mib (the later steps), train_peak_rss_mib (the larger).
   """
   before = rss_mib()
   reset_peak_rss()
-  times, losses = [], []
+  times, losses, first_peak = [], [], None
   for step in range(tc.steps):
     batch = ctx.batch(step, tc.batch, tc.seq_len, tc.seed)
     t0 = time.perf_counter()
     loss = float(step_fn(batch))
     times.append(time.perf_counter() - t0)
     losses.append(loss)
+    if step == 0:  # the first step compiles: XLA's own memory peaks there
+      first_peak = peak_rss_mib()
+      reset_peak_rss()
     if tc.log_every and (step + 1) % tc.log_every == 0:
       log(f'  step {step + 1}/{tc.steps} loss {loss:.4f} ({times[-1]:.2f} s)')
   if not np.isfinite(losses[-1]):
@@ -191,8 +196,11 @@ def run_steps(step_fn: Callable[[jax.Array], jax.Array], ctx: FinetuneContext, t
                              f'({tc.lr}).')
   return {'train_steps': tc.steps, 'step_seconds': float(np.median(times[1:] or times)),
           'first_step_seconds': times[0], 'train_loss_first': losses[0],
-          'train_loss_last': losses[-1], 'train_peak_rss_mib': peak_rss_mib(),
-          'rss_before_train_mib': before}
+          'train_loss_last': losses[-1], 'rss_before_train_mib': before,
+          'first_step_peak_rss_mib': first_peak,
+          'steady_peak_rss_mib': peak_rss_mib() if tc.steps > 1 else None,
+          'train_peak_rss_mib': max(v for v in (first_peak, peak_rss_mib()) if v is not None)
+          if first_peak is not None else None}
 
 
 def _tx(tc):

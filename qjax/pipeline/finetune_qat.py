@@ -42,8 +42,9 @@ COLUMNS = (('name', 'point'), ('kind', 'kind'), ('weight_format', 'weights'),
            ('kv', 'KV cache'), ('ppl', 'ppl'), ('recovered', 'recovered (vs float)'),
            ('recovered_vs_ft', 'recovered (vs float FT)'), ('train_steps', 'steps'),
            ('trainable_params', 'trainable params'), ('step_seconds', 'step s (under load)'),
-           ('train_peak_rss_mib', 'peak RSS MiB'), ('train_loss_first', 'loss first'),
-           ('train_loss_last', 'loss last'))
+           ('train_peak_rss_mib', 'peak RSS MiB'),
+           ('steady_peak_rss_mib', 'peak RSS after step 1, MiB'),
+           ('train_loss_first', 'loss first'), ('train_loss_last', 'loss last'))
 
 
 def _wrt(freeze: str):
