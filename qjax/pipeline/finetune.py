@@ -409,11 +409,16 @@ def run_finetune_sweep(config, points: list[dict], ctx: FinetuneContext, log=pri
     row = finetune_point(ctx, c, os.path.join(config.out_dir, 'points', name), log)
     return {'kind': c.point.kind, **row}
 
-  rows = qeval.run_sweep(named, run_point, os.path.join(config.out_dir, 'results.jsonl'),
-                         log=log, keys=keys)
+  results = os.path.join(config.out_dir, 'results.jsonl')
+  rows = qeval.run_sweep(named, run_point, results, log=log, keys=keys)
   with open(os.path.join(config.out_dir, 'table.md'), 'w') as f:
-    f.write(qeval.markdown_table(rows, COLUMNS) + '\n')
+    f.write(qeval.markdown_table(all_rows(results), COLUMNS) + '\n')
   return rows
+
+
+def all_rows(results_path: str) -> list[dict]:
+  """The latest row of every point in a results file (runs with --config.only accumulate)."""
+  return list(qeval.sweep.latest_by_name(qeval.sweep.read_results(results_path)).values())
 
 
 # ---- contexts: Gemma 3 270M, or a tiny random model (tests, notebooks) ------------------------

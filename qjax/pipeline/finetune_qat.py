@@ -32,7 +32,7 @@ from qjax import eval as qeval
 from qjax import train as qtrain
 from qjax.nn import set_kv_format
 from qjax.pipeline import ptq
-from qjax.pipeline.finetune import FinetuneContext, run_steps
+from qjax.pipeline.finetune import FinetuneContext, all_rows, run_steps
 from qjax.train import distill as qdistill
 from qjax.train import lora
 from qjax.train.optim import make_optimizer
@@ -205,9 +205,8 @@ def run_qat_gemma_sweep(config, points: list[dict], ctx: FinetuneContext, log=pr
     c = apply_overrides(config, ov)
     return {'kind': c.point.kind, **qat_sweep_point(ctx, c, log)}
 
-  rows = with_recovery(qeval.run_sweep(named, run_point,
-                                       os.path.join(config.out_dir, 'results.jsonl'), log=log,
-                                       keys=keys))
-  with open(os.path.join(config.out_dir, 'table.md'), 'w') as f:
-    f.write(qeval.markdown_table(rows, COLUMNS) + '\n')
+  results = os.path.join(config.out_dir, 'results.jsonl')
+  rows = with_recovery(qeval.run_sweep(named, run_point, results, log=log, keys=keys))
+  with open(os.path.join(config.out_dir, 'table.md'), 'w') as f:  # every point so far
+    f.write(qeval.markdown_table(with_recovery(all_rows(results)), COLUMNS) + '\n')
   return rows

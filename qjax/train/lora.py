@@ -162,8 +162,8 @@ class LoRAEinsum(nnx.Module):
     quant = base.quant
     if isinstance(w, QArray) and (quant.act_fmt is not None or
                                   quant.outlier_threshold is not None):
-      raise ValueError(f'apply_adapters: layer {path!r} quantizes its activations '
-                       f'({"LLM.int8()" if quant.outlier_threshold is not None else quant.act_fmt.name}), '
+      act = 'LLM.int8()' if quant.outlier_threshold is not None else quant.act_fmt.name
+      raise ValueError(f'apply_adapters: layer {path!r} quantizes its activations ({act}), '
                        'whose rounding passes no gradient to the layers below; adapters need '
                        'a weight-only (or float) base: quantize with quant.act=none.')
     self.base = base
