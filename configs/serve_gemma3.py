@@ -22,6 +22,10 @@ Command:
   --config.small=True: 10 requests, short prompts and outputs, max_batch 4 (~5 min).
 Expected run time: full ~20-30 minutes on 2 idle CPU cores (load ~20 s; each KV format
   compiles its step buckets once, ~1 min each); small ~5-8 minutes.
+Measured (small mode, under load: load average 17, 2026-12-02): continuous / static
+  throughput 1.68x; TTFT of system-prompt requests 2.52x lower with prefix caching, outputs
+  identical; int8 / int4 fit 4.0x / 7.75x the float32 cache's longest requests; 9 min, peak
+  RSS 3.0 GB; HF row not run (torch not installed in this venv).
 Expected result: continuous >= 2x static throughput (static runs every batch to its longest
   output); system-prompt requests' TTFT several times lower with prefix caching, outputs
   identical; int8 / int4 caches fit ~3.9x / ~7.8x the sequences of the float32 cache (~2x /
