@@ -1,6 +1,8 @@
 """Inference: sampling, speculative decoding, and the serving engine (paged cache, batching).
 
     from qjax.infer import SamplingParams, SamplingBatch, sample, processed_logits
+    from qjax.infer import Engine, EngineConfig, SpeculativeEngine, poisson_trace, replay
+    from qjax.infer import serving   # side-by-side trace comparison (serving.compare)
 """
 
 # --- sampling and speculative decoding (qjax/infer/sampling.py, speculative.py) ---
@@ -13,19 +15,19 @@ from qjax.infer.speculative import (SpecStats, check_compatible, layer_skip_draf
 from qjax.infer.speculative_core import acceptance_prob, expected_tokens_per_pass, verify
 # --- end sampling and speculative decoding ---
 
-# --- engine: blockwise attention, paged KV cache, scheduler, prefix cache (blockwise.py,
-# paged.py, scheduler.py, prefix_cache.py, engine.py) ---
-from qjax.infer.blockwise import attention_temp_bytes, with_attention_impl
-from qjax.infer.paged import (PageAllocator, PagedKVCache, check_step, init_paged_cache,
-                              ring_pages_needed, with_step)
+# --- engine: blockwise attention, paged KV cache, scheduler, prefix cache, traces (blockwise.py,
+# paged.py, scheduler.py, prefix_cache.py, engine.py, spec_engine.py, trace.py, serving.py) ---
+from qjax.infer.blockwise import (attention_temp_bytes, bucket_perplexity, forward_temp_bytes,
+                                  token_nll, with_attention_impl)
+from qjax.infer.paged import (POOL_AXES, PageAllocator, PagedKVCache, check_step,
+                              init_paged_cache, read_pages, ring_pages_needed, shard_pools,
+                              with_step, write_pages)
 from qjax.infer.paged import forward as paged_forward
-from qjax.infer.paged import POOL_AXES, read_pages, shard_pools, write_pages
 from qjax.infer.prefix_cache import PrefixCache, block_hashes
-from qjax.infer.scheduler import Scheduler, StepPlan
+from qjax.infer.scheduler import PREEMPTION_MODES, Scheduler, StepPlan
 from qjax.infer.scheduler import Sequence as SequenceState
 from qjax.infer.engine import Engine, EngineConfig, EngineStats
 from qjax.infer.spec_engine import SpeculativeEngine
 from qjax.infer.workload import serve, synthetic_workload
 from qjax.infer.trace import TraceRequest, poisson_trace, replay
-from qjax.infer.blockwise import bucket_perplexity, forward_temp_bytes, token_nll
 # --- end engine ---
