@@ -134,7 +134,7 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
     if not jnp.issubdtype(w.dtype, jnp.floating):
       raise ValueError(f'qeinsum: a plain weight of dtype {w.dtype} is not float; quantize it '
                        '(qjax.quantize) or cast it to a float dtype.')
-    return jnp.einsum(spec, x, w.astype(x.dtype)).astype(out_dtype)
+    return decode_paths.matrix_einsum(spec, x, w.astype(x.dtype)).astype(out_dtype)
   if path not in PATHS:
     raise ValueError(f'qeinsum: path={path!r} is unknown; use one of {PATHS}.')
   xs, ws, out = parse_spec(spec)
@@ -165,7 +165,9 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
       return y
     path = 'dequant'  # a spec neither tiled form can express
   if path == 'dequant':
-    return jnp.einsum(spec, x, dequantize(w, x.dtype)).astype(out_dtype)
+    # The float layers' own product (nn.layers.Einsum): a fake-quantized model and its
+    # converted twin stay bit-identical.
+    return decode_paths.matrix_einsum(spec, x, dequantize(w, x.dtype)).astype(out_dtype)
   if path == 'int8' and qt.is_float or path == 'fp8' and not qt.is_float:
     raise ValueError(f'qeinsum: path={path!r} cannot multiply {qt.name} weights; use '
                      f"path='{'fp8' if qt.is_float else 'int8'}' or 'dequant'.")
