@@ -49,7 +49,7 @@ def sha256_of(path: os.PathLike) -> str:
   return _sha256(os.path.abspath(path), st.st_size, st.st_mtime_ns)
 
 
-_HASH_BLOCK_BYTES = 64 << 20  # a large array is hashed this many bytes of rows at a time
+_HASH_BLOCK_BYTES = 16 << 20  # a large array is hashed this many bytes of rows at a time
 
 
 def params_sha256(params: Mapping[str, np.ndarray]) -> str:
@@ -114,27 +114,54 @@ class LazyParams(Mapping):
   """A safetensors file as a read-on-access {name: np.ndarray} mapping (bounded memory)."""
 
   def __init__(self, path: os.PathLike):
-    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-    self._file = safe_open(str(path), framework='numpy')
-    self._keys = tuple(self._file.keys())
-    self.metadata = {k: json.loads(v) for k, v in (self._file.metadata() or {}).items()}
+    # The safetensors layout read with plain file reads, not a memory map: pages of a mapped
+    # file count in the process's RSS once touched, so hashing or quantizing a 1.07 GB entry
+    # through a map would make the whole entry resident.
+    self._path = os.fspath(path)
+    with open(self._path, 'rb') as f:
+      size = int.from_bytes(f.read(8), 'little')
+      header = json.loads(f.read(size))
+    self._base = 8 + size
+    meta = header.pop('__metadata__', None) or {}
+    self._entries = {k: (jax.numpy.dtype(_SAFETENSORS_DTYPES.get(v['dtype'], v['dtype'])),
+                         tuple(v['shape']), tuple(v['data_offsets']))
+                     for k, v in header.items()}
+    self._keys = tuple(sorted(self._entries, key=lambda k: self._entries[k][2]))
+    self.metadata = {k: json.loads(v) for k, v in meta.items()}
+
+  def _read(self, key: str, start_row: int, stop_row: Optional[int]) -> np.ndarray:
+    if key not in self._entries:
+      raise KeyError(key)
+    dtype, shape, (begin, end) = self._entries[key]
+    if not shape:
+      start_row, stop_row, out_shape = 0, None, ()
+    else:
+      stop_row = shape[0] if stop_row is None else min(stop_row, shape[0])
+      start_row = min(max(start_row, 0), stop_row)
+      out_shape = (stop_row - start_row,) + shape[1:]
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if shape else 0
+    offset = begin + start_row * row_bytes
+    out = np.empty(out_shape, dtype)
+    with open(self._path, 'rb') as f:
+      f.seek(self._base + offset)
+      got = f.readinto(out.reshape(-1).view(np.uint8))
+    if got != out.nbytes:
+      raise ValueError(f'{self._path}: {key!r} is truncated (read {got} of {out.nbytes} '
+                       'bytes); the cache entry is rebuilt on the next load.')
+    return out
 
   def __getitem__(self, key: str) -> np.ndarray:
-    if key not in self._keys:
-      raise KeyError(key)
-    return self._file.get_tensor(key)
+    return self._read(key, 0, None)
 
   def dtype_shape(self, key: str) -> tuple[np.dtype, tuple[int, ...]]:
     """(dtype, shape) of one array, without reading it."""
-    sl = self._file.get_slice(key)
-    return jax.numpy.dtype(_SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype())), tuple(
-        sl.get_shape())
+    if key not in self._entries:
+      raise KeyError(key)
+    return self._entries[key][:2]
 
   def rows(self, key: str, start: int, stop: int) -> np.ndarray:
     """Rows start..stop-1 of one array, read without reading the rest of it."""
-    if key not in self._keys:
-      raise KeyError(key)
-    return self._file.get_slice(key)[start:stop]
+    return self._read(key, start, stop)
 
   def __iter__(self) -> Iterator[str]:
     return iter(self._keys)

@@ -280,7 +280,7 @@ def load_quantized(out_dir: str, verify: bool = True):
 
 # Weights above this many elements are quantized in blocks of rows (the Gemma embedding:
 # 168M elements, 671 MB in float32), so the float copy alive at once is one block.
-_STREAM_BLOCK_ELEMENTS = 2**23
+_STREAM_BLOCK_ELEMENTS = 2**21
 
 
 def _abstract_model(cfg: TransformerConfig) -> nnx.Module:
@@ -315,17 +315,24 @@ def _quantize_streamed_weight(params, key: str, shape, dtype, fmt, source: str):
     value = params[key]
     check_finite(value, f'{source}: parameter {key!r}', _CORRUPT)
     return _quantize_weight(jnp.asarray(value, dtype), fmt, key)
-  pieces = []
+  leaves = None
   for start in range(0, shape[0], block):
     value = _rows_of(params, key, start, min(shape[0], start + block))
     check_finite(value, f'{source}: parameter {key!r} rows {start}..', _CORRUPT)
     q = _quantize_weight(jnp.asarray(value, dtype), fmt, key)
     del value
-    pieces.append([None if a is None else np.asarray(a) for a in (q.data, q.scale,
-                                                                  q.zero_point)])
-  leaves = [None if pieces[0][i] is None else
-            jnp.asarray(np.concatenate([p[i] for p in pieces], axis=0)) for i in range(3)]
+    parts = (q.data, q.scale, q.zero_point)
+    if leaves is None:  # the whole weight's leaves, filled in place block by block
+      leaves = [None if a is None else jnp.zeros((shape[0],) + a.shape[1:], a.dtype)
+                for a in parts]
+    leaves = _put_rows(leaves, parts, start)
   return q.rebuild(leaves)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_rows(leaves, parts, start):
+  return [None if a is None else jax.lax.dynamic_update_slice_in_dim(a, p, start, 0)
+          for a, p in zip(leaves, parts)]
 
 
 _CORRUPT = ('the checkpoint is corrupted or was saved after a diverged run; use another copy '
@@ -398,4 +405,15 @@ def quantize_streamed(cfg: TransformerConfig, params, policy: QuantPolicy, *,
     if policy.strict:
       raise ValueError(msg + ' Fix the patterns or pass strict=False.')
     warnings.warn(msg)
+  _release_freed_heap()
   return model, QuantReport(tuple(reports), unused, 'quantize')
+
+
+def _release_freed_heap() -> None:
+  """Give the float blocks' freed heap back to the OS (glibc keeps it otherwise: ~160 MiB of
+  RSS measured after quantizing Gemma 3 270M), so RSS tracks what is alive."""
+  try:
+    import ctypes  # pylint: disable=g-import-not-at-top
+    ctypes.CDLL('libc.so.6').malloc_trim(0)
+  except (OSError, AttributeError):  # not glibc: nothing to do
+    pass
