@@ -7,7 +7,11 @@ same prompts: prefill = one forward of 512 Tiny Shakespeare tokens (all logits, 
 forward); decode = 64 greedy steps after a 128-token prompt at batch 1 and 8, only the steps
 timed; median of 3 for prefill; perplexity on the first 2 WikiText-2 valid windows of 512
 (BOS per window, `qjax.pipeline.gemma`). Prints tok/s, ms/token, peak RSS, weight bytes,
-ppl and ratios to qjax f32; writes <out>.json and <out>.png. `--quick`: prefill 128, 16 steps,
+ppl and ratios to qjax f32. Two prefill columns: all logits (the protocol above) and the
+logits of the last position only (what `greedy_step` and HF's generate compute). Peak RSS
+"serving" is taken after load, prefill and decode, before the all-logits passes (a 512 x 262k
+f32 logits buffer is 512 MiB by itself); quantized qjax rows are quantized while loading
+(`load_gemma3_270m(policy=)`), never holding the float model; writes <out>.json and <out>.png. `--quick`: prefill 128, 16 steps,
 1 window (a smoke run, ~5 min). Expected run time ~15-25 min for all rows on 2 cores.
 HF rows run when `transformers` and `torch` import (`pip install -e .[reference]`).
 
@@ -78,27 +82,39 @@ def _run_qjax(row: str, a) -> dict:
   from qjax import eval as qeval  # pylint: disable=g-import-not-at-top
   from qjax import kernels  # pylint: disable=g-import-not-at-top
   from qjax.checkpoints import load_gemma3_270m  # pylint: disable=g-import-not-at-top
-  from qjax.nn import generate, kvcache, quantize_model  # pylint: disable=g-import-not-at-top
+  from qjax.nn import generate, kvcache  # pylint: disable=g-import-not-at-top
 
-  model, tok, _ = load_gemma3_270m(param_dtype='bfloat16' if row == 'qjax-bf16' else 'float32')
-  if row not in ('qjax-f32', 'qjax-bf16'):
-    qmodel, _ = quantize_model(model, _policy(row))
-    del model
-    model = qmodel
+  pdtype = 'bfloat16' if row == 'qjax-bf16' else 'float32'
+  if a.synthetic:  # Gemma 3 270M's shapes, random weights: the cost, not the quality
+    from qjax.nn import Transformer, TransformerConfig, quantize_model  # pylint: disable=g-import-not-at-top
+    model = Transformer(TransformerConfig.gemma3_270m(param_dtype=pdtype),
+                        rngs=nnx.Rngs(0))
+    if row not in ('qjax-f32', 'qjax-bf16'):
+      model = quantize_model(model, _policy(row))[0]
+    tok = None
+  elif row in ('qjax-f32', 'qjax-bf16'):
+    model, tok, _ = load_gemma3_270m(param_dtype=pdtype)
+  else:  # quantized weight by weight from the param cache: the float model is never held
+    model, tok, _ = load_gemma3_270m(policy=_policy(row))
   weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
                      for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, 'dtype'))
-  prefill_ids, prompts, windows = _data(tok, a.prefill, a.windows)
+  rss_loaded = _peak_rss_mib()
   cfg = model.config
+  if tok is None:
+    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, a.prefill + 8 * 128)
+    prefill_ids, prompts, windows = ids[:a.prefill], ids[a.prefill:].reshape(8, 128), None
+  else:
+    prefill_ids, prompts, windows = _data(tok, a.prefill, a.windows)
 
-  def prefill_once():
+  def prefill_once(step):
     cache = kvcache.init_cache(cfg, 1, a.prefill + 1)
     t = time.perf_counter()
-    out, _ = generate.greedy_step(model, jnp.asarray(prefill_ids[None]), cache)
+    out, _ = step(model, jnp.asarray(prefill_ids[None]), cache)
     jax.block_until_ready(out)
     return time.perf_counter() - t
 
-  prefill_once()  # compile
-  prefill_s = statistics.median(prefill_once() for _ in range(3))
+  prefill_once(generate.greedy_step)  # compile
+  serve_s = statistics.median(prefill_once(generate.greedy_step) for _ in range(3))
 
   def decode(batch: int, steps: int) -> float:
     # One cache length for the warm-up and the timed run: the step compiles once per shape.
@@ -111,14 +127,21 @@ def _run_qjax(row: str, a) -> dict:
     jax.block_until_ready(tok_B)
     return time.perf_counter() - t
 
-  out = {'weight_bytes': weight_bytes, 'prefill_tok_s': a.prefill / prefill_s,
-         'kernel': kernels.status()}
+  out = {'weight_bytes': weight_bytes, 'prefill_serve_tok_s': a.prefill / serve_s,
+         'kernel': kernels.status(), 'rss_loaded_mib': rss_loaded}
   for b in (1, 8):
     decode(b, 2)  # compile both steps
     s = decode(b, a.steps)
     out[f'decode_b{b}_tok_s'] = b * a.steps / s
     out[f'decode_b{b}_ms_per_step'] = 1e3 * s / a.steps
-  out['ppl_wikitext2'] = qeval.perplexity(model, windows, 1)['ppl']
+  out['peak_rss_serving_mib'] = _peak_rss_mib()
+  # The issue's prefill protocol: one forward with the logits of every position (as HF's).
+  prefill_once(generate.logits_step)
+  out['prefill_tok_s'] = a.prefill / statistics.median(
+      prefill_once(generate.logits_step) for _ in range(3))
+  out['ppl_wikitext2'] = (float('nan') if windows is None else
+                          qeval.perplexity(model, windows, 1)['ppl'])
+  out['backend'] = jax.default_backend()
   return out
 
 
@@ -144,6 +167,12 @@ def _run_hf(row: str, a) -> dict:
       model(ids)
       ts.append(time.perf_counter() - t)
     out = {'weight_bytes': weight_bytes, 'prefill_tok_s': a.prefill / statistics.median(ts)}
+    ts = []
+    for _ in range(3):  # as generate's prefill: the logits of the last position only
+      t = time.perf_counter()
+      model(ids, logits_to_keep=1)
+      ts.append(time.perf_counter() - t)
+    out['prefill_serve_tok_s'] = a.prefill / statistics.median(ts)
     for b in (1, 8):
       p = torch.as_tensor(prompts[:b], dtype=torch.long)
       res = model(p, use_cache=True)
@@ -155,6 +184,7 @@ def _run_hf(row: str, a) -> dict:
       s = time.perf_counter() - t
       out[f'decode_b{b}_tok_s'] = b * a.steps / s
       out[f'decode_b{b}_ms_per_step'] = 1e3 * s / a.steps
+    out['peak_rss_serving_mib'] = _peak_rss_mib()
     nll, n = 0.0, 0
     for w in windows:
       x = torch.as_tensor(w[None], dtype=torch.long)
@@ -184,17 +214,19 @@ def _hf_importable() -> bool:
 
 def _table(results: list[dict]) -> str:
   base = next((r for r in results if r['row'] == 'qjax-f32' and 'error' not in r), None)
-  cols = ['prefill_tok_s', 'decode_b1_tok_s', 'decode_b8_tok_s']
-  lines = ['| row | prefill 512 tok/s | decode b1 tok/s (ms/tok) | decode b8 tok/s | '
-           'peak RSS MiB | weights MB | ppl WT2 | x f32 (prefill / b1 / b8) |',
-           '|---|---|---|---|---|---|---|---|']
+  cols = ['prefill_tok_s', 'prefill_serve_tok_s', 'decode_b1_tok_s', 'decode_b8_tok_s']
+  lines = ['| row | prefill 512 tok/s (all logits) | prefill 512, last logits | decode b1 '
+           'tok/s (ms/tok) | decode b8 tok/s | peak RSS serving / overall MiB | weights MB | '
+           'ppl WT2 | x f32 (prefill / serve / b1 / b8) |',
+           '|---|---|---|---|---|---|---|---|---|']
   for r in results:
     if 'error' in r:
-      lines.append(f"| {r['row']} | failed: {r['error'][:80]} |||||||")
+      lines.append(f"| {r['row']} | failed: {r['error'][:80]} ||||||||")
       continue
     ratio = ' / '.join(f"{r[c] / base[c]:.2f}" for c in cols) if base else ''
-    lines.append(f"| {r['row']} | {r['prefill_tok_s']:.0f} | {r['decode_b1_tok_s']:.1f} "
-                 f"({r['decode_b1_ms_per_step']:.1f}) | {r['decode_b8_tok_s']:.1f} | "
+    lines.append(f"| {r['row']} | {r['prefill_tok_s']:.0f} | {r['prefill_serve_tok_s']:.0f} | "
+                 f"{r['decode_b1_tok_s']:.1f} ({r['decode_b1_ms_per_step']:.1f}) | "
+                 f"{r['decode_b8_tok_s']:.1f} | {r['peak_rss_serving_mib']:.0f} / "
                  f"{r['peak_rss_mib']:.0f} | {r['weight_bytes'] / 1e6:.0f} | "
                  f"{r['ppl_wikitext2']:.2f} | {ratio} |")
   return '\n'.join(lines)
@@ -225,6 +257,9 @@ def main():
   ap.add_argument('--prefill', type=int, default=512)
   ap.add_argument('--steps', type=int, default=64)
   ap.add_argument('--windows', type=int, default=2)
+  ap.add_argument('--synthetic', action='store_true',
+                  help="qjax rows only: Gemma 3 270M's shapes with random weights (no GGUF "
+                       'or tokenizer needed, e.g. on an accelerator machine); ppl is nan')
   a = ap.parse_args()
   if a.quick:
     a.prefill, a.steps, a.windows = 128, 16, 1
@@ -235,6 +270,8 @@ def main():
   bad = [r for r in rows if r not in ROWS]
   if bad:
     raise SystemExit(f'peers: unknown rows {bad}; choose from {ROWS}.')
+  if a.synthetic:
+    rows = [r for r in rows if r.startswith('qjax-')]
   if not _hf_importable():
     skipped = [r for r in rows if r.startswith('hf-')]
     rows = [r for r in rows if not r.startswith('hf-')]
@@ -245,7 +282,8 @@ def main():
   for row in rows:
     load0 = os.getloadavg()[0]
     cmd = [sys.executable, '-m', 'benchmarks.peers', f'--child={row}', f'--prefill={a.prefill}',
-           f'--steps={a.steps}', f'--windows={a.windows}']
+           f'--steps={a.steps}', f'--windows={a.windows}'] + (['--synthetic'] if a.synthetic
+                                                               else [])
     p = subprocess.run(cmd, capture_output=True, text=True, check=False)
     line = next((l for l in p.stdout.splitlines() if l.startswith('PEERS_JSON ')), None)
     if line is None:
