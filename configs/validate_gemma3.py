@@ -53,5 +53,6 @@ def get_config() -> ml_collections.ConfigDict:
               point('gptq-int4-g128', 'uniform', method='gptq', fmt='int4-g128', exempt='embed'),
               point('mixed-at-int4-g128', 'mixed', budget_format='int4-g128')]
   c.frontier = ml_collections.ConfigDict(dict(formats='int8,int4-g32,int4-g128,int3-g128',
-                                              windows=2))
+                                              windows=2, midpoints=True,
+                                              fallback='int4-g128:int8:0.25'))
   return c

@@ -49,5 +49,6 @@ def get_config() -> ml_collections.ConfigDict:
               point('fallback-int3-int8', 'fallback', fmt='int3-g32', high='int8',
                     threshold=0.01),
               point('mixed-at-int4-g32', 'mixed', budget_format='int4-g32')]
-  c.frontier = ml_collections.ConfigDict(dict(formats='int4-g32', windows=2))
+  c.frontier = ml_collections.ConfigDict(dict(formats='int8,int3-g32', windows=2, midpoints=True,
+                                              fallback='int3-g32:int8:0.01'))
   return c

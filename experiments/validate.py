@@ -203,25 +203,56 @@ def main(argv):
   if c.frontier.formats and c.run in ('all', 'frontier'):
     rows = []
     fw = ppl_windows['wikitext2_valid'][:c.frontier.windows]
-    for fname in c.frontier.formats.split(','):
-      uni = qsens.uniform_assignment(model, fname, formats)
-      budget = qsens.assignment_bytes(uni, nbytes)
-      mp = qsens.mixed_precision(sens['kl'], nbytes, budget)
-      for label, assignment in (('uniform', uni), ('mixed', mp['assignment'])):
-        qm, _ = quantize_model(model, qsens.policy_from_assignment(assignment, formats))
-        ppl = qeval.perplexity(qm, fw, c.eval.batch)['ppl']
-        wb = weight_bytes(qm)['total']
-        rows.append({'name': f'{label}-{fname}', 'method': label, 'weight_format': fname,
-                     'ppl': ppl, 'weight_bytes': wb, 'budget': budget,
-                     'predicted_kl': float(sum(sens['kl'][p][f] for p, f in assignment.items()
-                                               if f != 'float'))})
-        print(f"frontier {label} {fname}: ppl {ppl:.4g}, {wb / 1e6:.4g} MB", flush=True)
-        del qm
+    uniform = {f: qsens.uniform_assignment(model, f, formats) for f in c.frontier.formats.split(',')}
+    budgets = {f: qsens.assignment_bytes(a, nbytes) for f, a in uniform.items()}
+    points = [('uniform', f, uniform[f], budgets[f]) for f in uniform]
+    points += [('mixed', f'at {f}', None, budgets[f]) for f in uniform]
+    if c.frontier.midpoints:  # mixed policies between consecutive uniform formats' bytes
+      by_size = sorted(budgets.items(), key=lambda kv: kv[1])
+      for (fa, ba), (fb, bb) in zip(by_size[:-1], by_size[1:]):
+        points.append(('mixed', f'{fa}..{fb}', None, (ba + bb) // 2))
+    for label, fname, assignment, budget in points:
+      mp = None
+      if assignment is None:
+        mp = qsens.mixed_precision(sens['kl'], nbytes, budget)
+        assignment = mp['assignment']
+      qm, _ = quantize_model(model, qsens.policy_from_assignment(assignment, formats))
+      ppl = qeval.perplexity(qm, fw, c.eval.batch)['ppl']
+      wb = weight_bytes(qm)['total']
+      counts = {f: sum(v == f for v in assignment.values()) for f in formats}
+      rows.append({'name': f'{label} {fname}', 'method': label, 'weight_format': fname,
+                   'ppl': ppl, 'weight_bytes': wb, 'budget': budget,
+                   'layers_per_format': ' '.join(f'{k}:{v}' for k, v in counts.items() if v),
+                   'predicted_kl': float(sum(sens['kl'][p][f] for p, f in assignment.items()
+                                             if f != 'float'))})
+      print(f"frontier {label} {fname}: ppl {ppl:.4g}, {wb / 1e6:.4g} MB", flush=True)
+      del qm
+    if c.frontier.fallback:  # 'base:high:threshold', e.g. 'int4-g128:int8:0.25'
+      fbase, fhigh, fthr = c.frontier.fallback.split(':')
+      fb = qsens.fallback(model, sens_tokens, base=fbase, high=fhigh, threshold=float(fthr),
+                          sensitivity=sens, formats=formats, log=lambda s: print(s, flush=True))
+      qm, _ = quantize_model(model, fb['policy'])
+      ppl = qeval.perplexity(qm, fw, c.eval.batch)['ppl']
+      tr = fb['trigger_rate']
+      rows.append({'name': f'fallback {fbase}->{fhigh} KL<={fthr}', 'method': 'fallback',
+                   'weight_format': f'{fbase}->{fhigh}', 'ppl': ppl,
+                   'weight_bytes': weight_bytes(qm)['total'],
+                   'layers_per_format': f"fell back: {len(tr['fell_back'])} layers "
+                                        f"({tr['layers']:.1%} of layers, {tr['params']:.1%} of "
+                                        f"params, {tr['bytes']:.1%} of bytes)"})
+      with open(os.path.join(c.out_dir, 'fallback.json'), 'w') as f:
+        json.dump({k: v for k, v in fb.items() if k != 'policy'}, f, indent=1)
+      print(f"fallback: KL {fb['kl']:.4g} (reached {fb['reached']}), ppl {ppl:.4g}, trigger "
+            f"rate {tr['layers']:.3f} layers / {tr['params']:.3f} params / {tr['bytes']:.3f} "
+            'bytes', flush=True)
+      del qm
     fl = qeval.perplexity(model, fw, c.eval.batch)['ppl']
     table = qeval.markdown_table(rows, (('name', 'point'), ('method', 'method'),
-                                        ('weight_format', 'budget of'), ('ppl', 'wt2 ppl'),
+                                        ('weight_format', 'format / budget'),
+                                        ('ppl', 'wt2 ppl'),
                                         ('weight_bytes', 'weight bytes'),
-                                        ('predicted_kl', 'predicted KL (sum)')))
+                                        ('predicted_kl', 'predicted KL (sum)'),
+                                        ('layers_per_format', 'layers per format')))
     with open(os.path.join(c.out_dir, 'frontier.md'), 'w') as f:
       f.write(f'float WikiText-2 ppl on the same {len(fw)} windows: {fl:.4g}\n\n{table}\n')
     qeval.plot_ppl_vs_bytes(rows, os.path.join(c.out_dir, 'frontier.png'),

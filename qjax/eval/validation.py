@@ -17,6 +17,7 @@ validation.png in `out_dir`; with a conversion record there, the record links th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -181,17 +182,11 @@ def context_limit(model, policy, *, budget_bytes: int, batch: int = 1,
   cm = qmemory.compiled_memory(model, batch, 1, s)
   used = cm['argument'] + cm['temp'] + cm['output'] - cm['alias']
   cache = init_cache(cfg, batch, s, fmt=kv_format(model))
-  cache = dataclasses_replace_length(cache, s - 1)
+  cache = dataclasses.replace(cache, length=jnp.full_like(cache.length, s - 1))
   graphdef, state = nnx.split(model)  # the step just analysed, run once at full context
   jax.block_until_ready(qmemory._step(graphdef, state, jnp.zeros((batch, 1), jnp.int32), cache))
   out.update(compiled_bytes=used, compiled=cm, confirmed=used <= budget_bytes, ran=True)
   return out
-
-
-def dataclasses_replace_length(cache, length: int):
-  """The cache with every row's length set to `length` (a full-context decode step)."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  return dataclasses.replace(cache, length=jnp.full_like(cache.length, length))
 
 
 # ---------------------------------------------------------------------------- what ran
