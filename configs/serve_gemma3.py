@@ -54,7 +54,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.trace = dict(num_requests=32, rate=4.0, prompt_len=(16, 96), output_len=(16, 64),
                  shared_fraction=0.5)
   c.system_len = 128
-  # Float pool: 8 of the longest requests (1 + 128 + 96 + 64 - 1 positions = 18 pages).
+  # Float pool: 8 of the longest possible requests (1 + 128 + 96 + 64 - 1 positions = 18
+  # pages; a static batch pads every prompt to its longest, so it may need all of them).
   c.engine = dict(max_batch=8, page_size=16, num_pages=1 + 8 * 18, chunk_size=32,
                   max_len=320, ring=False)
   c.max_batch_limit = 32
