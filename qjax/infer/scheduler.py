@@ -182,6 +182,11 @@ class Scheduler:
       self._preempt(victims[-1])
     return True
 
+  def reserve(self, seq: Sequence, n: int) -> bool:
+    """Pages for `n` more positions of running `seq` (speculative rounds write gamma + 1),
+    preempting later sequences if needed; False if the pool cannot give them."""
+    return self._grow(seq, n)
+
   def _admit(self, seq: Sequence, row: int) -> bool:
     if seq.swapped is not None:
       return self._swap_back(seq, row)

@@ -128,7 +128,7 @@ class SpeculativeEngine(Engine):
                                   s.max_tokens - len(s.output) > self.gamma for s in live)
     if decoding:
       before = self.scheduler.preemptions
-      grown = all(self.scheduler._grow(s, self.gamma + 1) for s in live)  # pylint: disable=protected-access
+      grown = all(self.scheduler.reserve(s, self.gamma + 1) for s in live)
       if grown and self.scheduler.preemptions == before:
         return self._speculate(plan)
       plan = self.scheduler.schedule()  # someone was preempted: plan again, plainly
