@@ -61,3 +61,34 @@ def test_requests_that_can_never_fit_are_refused():
                                        'can hold at most 4'):
     s.add(SequenceState('y', [0] * 20, 10))
   assert not s.has_work
+
+
+def test_swap_preemption_saves_the_cached_pages_and_resumes_without_recompute():
+  saved, restored = [], []
+
+  def swap_out(seq):
+    saved.append((seq.id, list(seq.pages[:-(-seq.num_cached // 4)]), seq.num_cached))
+    return 'host copy of ' + seq.id
+
+  def swap_in(seq, handle):
+    restored.append((seq.id, handle, list(seq.pages)))
+
+  s = _scheduler(num_pages=7, preemption='swap', swap_out=swap_out, swap_in=swap_in)
+  first, second = SequenceState('a', list(range(8)), 12), SequenceState('b', list(range(8)), 12)
+  s.add(first)
+  s.add(second)
+  while s.preemptions == 0:
+    _run_step(s)
+  (sid, pages, cached), = saved
+  assert sid == 'b' and cached == second.num_cached > 8 and len(pages) == -(-cached // 4)
+  assert second.swapped == 'host copy of b' and second.row is None
+  while s.has_work:
+    plan = _run_step(s)
+    if restored and second in plan.rows:
+      # Resumed where it stopped: one token fed, not its prompt + output again.
+      assert plan.num_new[plan.rows.index(second)] == 1
+  assert [(r[0], r[1]) for r in restored] == [('b', 'host copy of b')]
+  assert len(restored[0][2]) >= len(pages) and second.swapped is None
+  assert len(first.output) == len(second.output) == 12 and s.allocator.num_free == 6
+  with pytest.raises(ValueError, match="preemption='swap' needs swap_out= and swap_in="):
+    _scheduler(preemption='swap')
