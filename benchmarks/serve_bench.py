@@ -12,6 +12,9 @@ Expected run time: ~5-10 minutes on 2 cores (load, quantization, compilation of 
 Expected result: identical tokens; alpha ~0.7-0.8 for the int4 self-draft; little or no
   wall-clock speedup on CPU (a round costs ~gamma + 1 draft steps plus a gamma + 1 token
   verification; the draft keeps the 262k-vocabulary head), see docs/readme/speculative.md.
+Measured under load (load average 8, 2026-12-02), defaults: tokens identical, alpha 0.755,
+  2.90 tokens per round (formula 3.08), 22 vs 26 target passes, 30.3 s vs 11.0 s (0.36x);
+  4 min 18 s in all, peak RSS 2.3 GB.
 """
 
 from __future__ import annotations
