@@ -140,11 +140,14 @@ def test_training_moves_only_adapters_lowers_loss_and_merges(float_model, tokens
                     jax.tree.leaves(nnx.state(model, nnx.LoRAParam))):
       np.testing.assert_array_equal(x, y)
     assert record['base_sha256'] == lora_io.base_sha256(base)
-    other = _int4(Transformer(CFG, rngs=nnx.Rngs(5)), path='dequant')
+    # The same model unquantized, or quantized on another path or format, is another base.
+    with pytest.raises(ValueError, match='trained on base'):
+      lora_io.load_adapters(d, Transformer(CFG, rngs=nnx.Rngs(0)))
+    other = quantize_model(float_model, QuantPolicy(
+        (QuantRule('embed', exempt=True), QuantRule('.*', QFormat(bits=4, group_size=16))),
+        path='dequant'))[0]
     with pytest.raises(ValueError, match='trained on base'):
       lora_io.load_adapters(d, other)
-    with pytest.raises(ValueError, match='trained on base'):  # the float model is another base
-      lora_io.load_adapters(d, Transformer(CFG, rngs=nnx.Rngs(0)))
 
 
 def test_fake_quantized_base_merges_to_what_the_forward_sees(float_model, tokens):
