@@ -75,7 +75,7 @@ class _Split:
   structure: list
 
   def current(self, model) -> bool:
-    now = _structure(model, [])
+    now = _structure(model, [])[1:]
     return len(now) == len(self.structure) and all(
         a is b for a, b in zip(now, self.structure))
 
@@ -90,7 +90,8 @@ def _split(model: nnx.Module) -> tuple[_Static, Any]:
   if hit is not None and hit[0]() is model and hit[1].current(model):
     return hit[1].static, hit[1].state
   graphdef, state = nnx.split(model)
-  entry = _Split(_Static(graphdef), state, _structure(model, []))
+  # Not the model itself ([1:]): the entry must not keep it alive (it is dropped with it).
+  entry = _Split(_Static(graphdef), state, _structure(model, [])[1:])
   _SPLITS[key] = (weakref.ref(model, lambda _, k=key: _SPLITS.pop(k, None)), entry)
   return entry.static, entry.state
 

@@ -2,6 +2,7 @@
 and the float projections as 2-D dots (no per-call copy of a weight)."""
 
 import dataclasses
+import gc
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,12 @@ def test_the_cached_split_sees_new_values_and_new_structure():
   set_kv_format(model, 'int8')
   assert generate._split(model)[0] is not static
   assert generate._split(model)[0].graphdef == nnx.split(model)[0]
+
+  # The cached split does not keep the model (and its arrays) alive.
+  key = id(model)
+  del model
+  gc.collect()
+  assert key not in generate._SPLITS
 
 
 def test_overflow_is_caught_from_host_lengths_and_from_a_foreign_cache():
