@@ -324,12 +324,12 @@ def export_point(ctx: FinetuneContext, c, out_dir: str) -> dict:
   must match), score the merged float model, re-quantize with `c.export.method`, save."""
   qbase, qreport, _, policy = ctx.quantized_base(c.quant, c.get('calib'), c.get('options'))
   adapters = os.path.join(os.path.dirname(out_dir), qlora_name(c), 'adapters')
+  base_ppl = ctx.base_ppl(c.quant, c.get('calib'), c.get('options'))  # before it is wrapped
   model, record = lora_io.load_adapters(adapters, qbase)
   try:
     row = {'base_format': ptq.format_label(c.quant), 'base_method': c.quant.method,
            'rank': c.lora.rank, 'alpha': c.lora.alpha, 'adapters_dir': adapters,
-           'base_ppl': ctx.base_ppl(c.quant, c.get('calib'), c.get('options')),
-           'ppl': record['adapted_ppl'], 'adapters_sha256': record['content_sha256'],
+           'base_ppl': base_ppl, 'ppl': record['adapted_ppl'], 'adapters_sha256': record['content_sha256'],
            'adapted_layers': sorted(record['adapters']), 'export_method': c.export.method}
     merged = lora.merge_adapters(model)
   finally:
