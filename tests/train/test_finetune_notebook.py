@@ -18,6 +18,7 @@ def test_qlora_notebook_runs(run_notebook):
   # Reloaded adapters, merged and re-quantized again by RTN: the same model, the same ppl;
   # the merged float model scores like the adapted one.
   assert 'export reproduces the merged ppl: True' in text, text
+  assert 'export scores the unadapted base: True' in text, text
   merged, adapted = map(float, re.search(r'merged float ppl ([\d.]+) vs adapted ([\d.]+)',
                                          text).groups())
   assert abs(merged - adapted) / adapted < 0.02, (merged, adapted)
