@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: demo test test-reference bench install install-test clean
+.PHONY: demo test test-py312 test-reference bench install install-test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,20 @@ demo: install
 # --dist loadscope: one worker runs a whole module, so the Gemma model loads once.
 test: install-test
 	$(BIN)/python -m pytest tests -q -n 2 --dist loadscope --durations=15
+
+# The second supported Python (what accelerator machines run: 3.12, jax 0.11/0.12), in its own
+# venv. The CPU kernel is not built there: the library in qjax/kernels/build/ belongs to the
+# first venv's jax, so this run exercises the pure-XLA fallback paths (kernels.status() says so).
+PY312 ?= python3.12
+VENV312 ?= .venv312
+$(VENV312)/bin/python:
+	$(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/pip install -q --upgrade pip
+
+test-py312: $(VENV312)/bin/python
+	$(VENV312)/bin/pip install -q -e '.[test]'
+	$(VENV312)/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)'
+	$(VENV312)/bin/python -m pytest tests -q -n 2 --dist loadscope --durations=15
 
 # Regenerate the goldens live from HF transformers (CPU torch), then compare qjax with them.
 test-reference: install-test
