@@ -83,6 +83,17 @@ class _Split:
 _SPLITS: dict[int, tuple[weakref.ref, _Split]] = {}
 
 
+def _forget(table: dict, key: int, _ref) -> None:
+  """Weakref callback: drop `key` from `table`.
+
+  The table is bound here, not looked up as a module global: at interpreter shutdown the
+  module's globals are set to None before the last models and arrays die, and a callback
+  that then read `_SPLITS` printed "Exception ignored ... 'NoneType' object has no attribute
+  'pop'".
+  """
+  table.pop(key, None)
+
+
 def _split(model: nnx.Module) -> tuple[_Static, Any]:
   """(graphdef wrapper, state) of `model`, split again only when its structure changed."""
   key = id(model)
@@ -92,7 +103,7 @@ def _split(model: nnx.Module) -> tuple[_Static, Any]:
   graphdef, state = nnx.split(model)
   # Not the model itself ([1:]): the entry must not keep it alive (it is dropped with it).
   entry = _Split(_Static(graphdef), state, _structure(model, [])[1:])
-  _SPLITS[key] = (weakref.ref(model, lambda _, k=key: _SPLITS.pop(k, None)), entry)
+  _SPLITS[key] = (weakref.ref(model, functools.partial(_forget, _SPLITS, key)), entry)
   return entry.static, entry.state
 
 
@@ -112,7 +123,7 @@ def _remember_lengths(cache, lengths: np.ndarray) -> None:
   arr = cache.length
   key = id(arr)
   try:
-    ref = weakref.ref(arr, lambda _, k=key: _HOST_LENGTHS.pop(k, None))
+    ref = weakref.ref(arr, functools.partial(_forget, _HOST_LENGTHS, key))
   except TypeError:  # not weak-referenceable: the next step reads the device
     return
   _HOST_LENGTHS[key] = (ref, lengths)

@@ -104,3 +104,34 @@ def test_o_proj_weight_is_not_copied_per_call():
                   ('[256,4,640]' in l or '[1024,640]' in l or '[4,256,640]' in l) and
                   'parameter' not in l and 'bitcast(' not in l]
   assert not weight_sized, weight_sized
+
+
+_SHUTDOWN_SCRIPT = '''
+import gc
+import jax.numpy as jnp
+from flax import nnx
+from qjax.nn import Transformer, TransformerConfig, generate, greedy_step, init_cache
+model = Transformer(TransformerConfig.tiny(num_layers=1), rngs=nnx.Rngs(0))
+tok, cache = greedy_step(model, jnp.zeros((1, 3), jnp.int32), init_cache(model.config, 1, 8))
+# What interpreter shutdown does: the module's globals become None while the tables (held
+# here, as a dying model's state can hold them) are still alive; then the model dies.
+shape = tok.shape
+tables = [v for k, v in vars(generate).items() if isinstance(v, dict) and v and k[:2] != '__']
+for name in list(vars(generate)):
+  if not name.startswith('__'):
+    setattr(generate, name, None)
+del model, tok, cache
+gc.collect()
+print(shape, 'tables', len(tables), 'left', sum(len(t) for t in tables))
+'''
+
+
+def test_no_exception_from_the_weakref_callbacks_at_shutdown():
+  """The tables' weakref callbacks must not read module globals (None at shutdown)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  p = subprocess.run([sys.executable, '-c', _SHUTDOWN_SCRIPT], capture_output=True, text=True,
+                     check=False, timeout=120)
+  assert p.returncode == 0, p.stderr
+  assert 'Exception ignored' not in p.stderr, p.stderr
+  assert '(1,) tables 2 left 0' in p.stdout, p.stdout  # the callbacks ran
