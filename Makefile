@@ -23,22 +23,28 @@ demo: install
 	XLA_FLAGS= $(BIN)/python -m experiments.demo --config=configs/demo.py
 
 # --dist loadscope: one worker runs a whole module, so the Gemma model loads once.
+# --max-worker-restart=0: a worker that dies (a native crash) fails the run at once; with a
+# restart, pytest-xdist 3.8 loadscope can wait forever for the dead worker (pytest-xdist#1323).
 test: install-test
-	$(BIN)/python -m pytest tests -q -n 2 --dist loadscope --durations=15
+	$(BIN)/python -m pytest tests -q -n 2 --dist loadscope --max-worker-restart=0 --durations=15
 
 # The second supported Python (what accelerator machines run: 3.12, jax 0.11/0.12), in its own
 # venv. The CPU kernel is not built there: the library in qjax/kernels/build/ belongs to the
 # first venv's jax, so this run exercises the pure-XLA fallback paths (kernels.status() says so).
-PY312 ?= python3.12
+# The first python3.12 that runs: on PATH, else a pyenv install (pyenv's shim refuses to run a
+# version that is not selected, so the shim alone is not enough).
+PY312 ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null); do \
+  $$p -c 'import sys' >/dev/null 2>&1 && { echo $$p; break; }; done)
 VENV312 ?= .venv312
 $(VENV312)/bin/python:
+	@test -n "$(PY312)" || { echo "test-py312: no runnable python3.12 found (PATH or ~/.pyenv/versions/3.12*); install one or pass PY312=/path/to/python3.12"; exit 1; }
 	$(PY312) -m venv $(VENV312)
 	$(VENV312)/bin/pip install -q --upgrade pip
 
 test-py312: $(VENV312)/bin/python
 	$(VENV312)/bin/pip install -q -e '.[test]'
 	$(VENV312)/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)'
-	$(VENV312)/bin/python -m pytest tests -q -n 2 --dist loadscope --durations=15
+	$(VENV312)/bin/python -m pytest tests -q -n 2 --dist loadscope --max-worker-restart=0 --durations=15
 
 # Regenerate the goldens live from HF transformers (CPU torch), then compare qjax with them.
 test-reference: install-test

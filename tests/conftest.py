@@ -4,12 +4,19 @@ import os
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-# A persistent compilation cache shared by the xdist workers and the subprocesses the tests
-# start (they inherit the environment): about half of the suite's CPU time is XLA compiling
-# the same small programs again. Keyed by the program, its options and the jax version, so a
-# stale entry is never used; delete the folder to measure a cold run.
-os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(
-    os.path.expanduser('~'), '.cache', 'qjax', 'jax-compilation-cache'))
+# A compilation cache shared by the xdist workers and the subprocesses the tests start (they
+# inherit the environment): much of the suite's CPU time is XLA compiling the same small
+# programs again in another process. It is fresh for every run (a temporary folder made by the
+# controller, removed at its exit), so an entry written by an earlier run with other flags or
+# another jaxlib, or one torn by a crash, can never be read back. Set JAX_COMPILATION_CACHE_DIR
+# yourself to keep one across runs, or JAX_ENABLE_COMPILATION_CACHE=false to turn it off.
+if 'PYTEST_XDIST_WORKER' not in os.environ and 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  import atexit  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  _CACHE_DIR = tempfile.mkdtemp(prefix='qjax-test-jax-cache-')
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE_DIR
+  atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 

@@ -291,9 +291,13 @@ def write_record(out_dir: str, record: dict) -> str:
   if missing:
     raise ValueError(f'conversion record is missing {missing}; a conversion cannot be '
                      'audited without them (fill them in, "none" is an allowed value).')
-  record = _normalized(record)
+  return _sign_and_write(_normalized(record), os.path.join(out_dir, RECORD_NAME))
+
+
+def _sign_and_write(record: dict, path: str) -> str:
+  """Hash `record` (without its old hash) into HASH_FIELD, validate it, write it atomically."""
+  record.pop(HASH_FIELD, None)
   record[HASH_FIELD] = record_sha256(record)
-  path = os.path.join(out_dir, RECORD_NAME)
   validate_record(record, path)
   tmp = path + '.tmp'
   with open(tmp, 'w') as f:
@@ -416,11 +420,4 @@ def amend_record(out_dir: str, fields: dict, *, replaced: str = '') -> str:
                      'amend it (re-run the conversion).')
   record = _normalized(dict(record, **fields))
   record['artifacts'] = tree_sha256(out_dir)
-  record.pop(HASH_FIELD, None)
-  record[HASH_FIELD] = record_sha256(record)
-  validate_record(record, path)
-  tmp = path + '.tmp'
-  with open(tmp, 'w') as f:
-    json.dump(record, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
-  return path
+  return _sign_and_write(record, path)

@@ -18,10 +18,7 @@ TINY = {
 
 def tiny_config(workdir, **extra):
   from configs import tiny_lm  # pylint: disable=g-import-not-at-top
-  c = tiny_lm.get_config()
-  for k, v in {**TINY, **extra}.items():
-    node, leaf = k.split('.')
-    c[node][leaf] = v
+  c = pipeline.apply_overrides(tiny_lm.get_config(), {**TINY, **extra})
   c.workdir = str(workdir)
   return c
 

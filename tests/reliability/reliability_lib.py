@@ -28,10 +28,7 @@ POLICY = QuantPolicy((QuantRule('embed', exempt=True),
 
 
 def tiny_train_config(workdir, **extra):
-  c = tiny_lm.get_config()
-  for k, v in {**TINY, **extra}.items():
-    node, leaf = k.split('.')
-    c[node][leaf] = v
+  c = pipeline.apply_overrides(tiny_lm.get_config(), {**TINY, **extra})
   c.workdir = str(workdir)
   return c
 
