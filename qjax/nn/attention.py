@@ -35,7 +35,7 @@ from qjax.nn.rope import apply_rope
 # Finite, so a fully masked row (never produced by the model) gives a uniform softmax, not NaN.
 _MASKED = -1e30
 # Position of a key slot that holds nothing: later than every query, so the causal mask hides it.
-EMPTY_POSITION = 2 ** 30
+EMPTY_POSITION = kvcache.EMPTY_POSITION
 
 
 def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
@@ -239,9 +239,9 @@ class Attention(nnx.Module):
       return cache.attend(self.layer, q_BTNH, positions_BT, **kw), cache
     if cache is None:
       k_BSKH, v_BSKH, k_pos_BS = k_BTKH, v_BTKH, positions_BT
-    else:
-      cache = kvcache.write(cache, self.layer, k_BTKH, v_BTKH, positions_BT)
-      k_BSKH, v_BSKH, k_pos_BS = kvcache.read(cache, self.layer)
+    else:  # a ring layer may return its old slots plus the new keys (kvcache docstring)
+      cache, k_BSKH, v_BSKH, k_pos_BS = kvcache.write_and_read(cache, self.layer, k_BTKH,
+                                                               v_BTKH, positions_BT)
     k_BSKH, v_BSKH = k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype)
     # Decode (T = 1) is O(S) either way; blockwise pays off where T is long.
     if self.impl == 'blockwise' and q_BTNH.shape[1] > 1:

@@ -15,8 +15,23 @@ slot of its position, so attention under a sharded layout writes the rows it hol
 reading `length` (which `qjax.sharding` keeps replicated: positions are computed from it
 outside attention, where every shard wants them whole).
 
-Every layer keeps S slots, local ones too (`qjax.infer.PagedKVCache` keeps a ring of pages
-for local layers instead).
+Sliding-window layers keep a ring (default; `init_cache(..., ring=False)` turns it off). A
+local layer of window W only ever reads the last W positions, so its buffer has R = W +
+`ring_slack` slots and position p lives in slot p mod R (Gemma 3 270M at 32k context: five of
+six layers hold 576 slots instead of 32,768). Which position a ring slot holds is computed,
+not stored: the latest p < end with p = s mod R, where end is one past the row's last written
+position. The slack is what makes two things exact:
+* rollback (lowering `length`, as speculative decoding does after a rejected draft): after a
+  call, a row's length may be lowered by up to `ring_slack` tokens. The overwritten slots then
+  held positions at least W + 1 before every later query, outside its window.
+* a call of T <= ring_slack + 1 tokens writes first and then reads the ring (no key a query
+  needs is overwritten in the same call). A longer call (a long prefill) reads the ring as it
+  was, attends over it plus the chunk's own keys, and writes only the last R positions.
+Rule: `ring_slack` >= the largest number of tokens a caller rolls back (speculative decoding:
+gamma); the default 64 covers gamma <= 64. A ring needs W + ring_slack < max_len, otherwise
+the layer keeps max_len slots. Tokens at positions >= `EMPTY_POSITION` (padding a bucketed
+prefill, `qjax.nn.generate`) are not written to a ring (`qjax.infer.PagedKVCache` keeps a ring
+of pages for local layers the same way).
 
 Other cache types. `write` hands a cache that is not a `KVCache` to its own
 `cache.write(layer, k_BTKH, v_BTKH, positions_BT)`, and attention then calls
@@ -49,6 +64,13 @@ from qjax.core import (QArray, QFormat, dequantize, fake_quant, fp8_format, int_
                        quantize)
 from qjax.nn.config import TransformerConfig
 
+# Ring slots beyond a local layer's window (module docstring): the most tokens one row may
+# be rolled back by after a call, and one less than the longest write-then-read call.
+DEFAULT_RING_SLACK = 64
+# Position of a slot or token that holds nothing (`qjax.nn.attention.EMPTY_POSITION`): later
+# than every query, so the causal mask hides it.
+EMPTY_POSITION = 2 ** 30
+
 # Quantized cache formats by name: a scale per (batch, slot, kv head), shared by the H
 # features of one head. (A QFormat may also group H, e.g. group_size=32, group_axis=3.)
 KV_FORMATS = {
@@ -71,16 +93,28 @@ class KVCache:
       goes to slot length[b]).
     qformat: the QFormat quantized storage is written in (static; axes non-negative, as
       `check_format` returns them), or None for a float cache.
+    windows: per layer, the window W of a layer kept as a ring of `k[layer].shape[1]` slots,
+      or 0 for a layer of max_len slots (static; () = every layer full length).
+    capacity: positions a row holds, max_len (static; 0 = `k[0].shape[1]`, a cache without
+      rings).
   """
 
   k: tuple[Union[jax.Array, QArray], ...]
   v: tuple[Union[jax.Array, QArray], ...]
   length: jax.Array
   qformat: Optional[QFormat] = dataclasses.field(default=None, metadata=dict(static=True))
+  windows: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+  capacity: int = dataclasses.field(default=0, metadata=dict(static=True))
 
   @property
   def max_len(self) -> int:
-    return int(self.k[0].shape[1])
+    return self.capacity or int(self.k[0].shape[1])
+
+  def ring_size(self, layer: int) -> int:
+    """R, the slots of `layer` when it is a ring, else 0."""
+    if not self.windows or not self.windows[layer]:
+      return 0
+    return int(self.k[layer].shape[1])
 
   @property
   def batch(self) -> int:
@@ -99,17 +133,22 @@ class KVCache:
 
 
 def init_cache(config: TransformerConfig, batch: int, max_len: Optional[int] = None,
-               dtype=None, fmt: Union[None, str, QFormat] = None) -> KVCache:
+               dtype=None, fmt: Union[None, str, QFormat] = None, *, ring: bool = True,
+               ring_slack: int = DEFAULT_RING_SLACK) -> KVCache:
   """An empty cache.
 
   Args:
-    config: the model's config (layers, K, H).
+    config: the model's config (layers, K, H, windows).
     batch: B.
     max_len: S, the longest prompt + generation the cache holds (default `config.max_len`).
     dtype: storage dtype of a float cache, and the dtype a quantized one reads back as
       (default `config.dtype`).
     fmt: None (float storage), a name in `KV_FORMATS`, or a QFormat whose scales are per
       token and kv head (channel axes 0, 1, 2 of k_BSKH; groups only along H).
+    ring: keep each sliding-window layer as a ring of window + ring_slack slots where that
+      is shorter than max_len (module docstring); False: every layer keeps max_len slots.
+    ring_slack: ring slots beyond the window: at least the most tokens a caller rolls a row
+      back by after a call (speculative decoding: gamma).
 
   Returns:
     A KVCache of zeros; every row's length is 0.
@@ -120,14 +159,27 @@ def init_cache(config: TransformerConfig, batch: int, max_len: Optional[int] = N
                      f'{config.max_len}]; the model is not defined beyond config.max_len.')
   if batch < 1:
     raise ValueError(f'init_cache: batch={batch} must be >= 1.')
-  shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+  if not isinstance(ring_slack, int) or ring_slack < 1:
+    raise ValueError(f'init_cache: ring_slack={ring_slack!r} must be a positive integer (at '
+                     'least the most tokens a row is rolled back by); or pass ring=False.')
+  windows = []
+  for layer in range(config.num_layers):
+    w = config.window(layer) if ring else None
+    windows.append(w if w is not None and w + ring_slack < max_len else 0)
   dtype = jnp.dtype(dtype or config.dtype)
   fmt = check_format(fmt, config.head_dim)
+
   def zeros():  # distinct buffers per leaf, so that the cache can be donated
-    if fmt is not None:  # all-zero groups quantize to codes 0, scale 1
-      return tuple(quantize(jnp.zeros(shape, dtype), fmt) for _ in range(config.num_layers))
-    return tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-  return KVCache(k=zeros(), v=zeros(), length=jnp.zeros((batch,), jnp.int32), qformat=fmt)
+    out = []
+    for w in windows:
+      shape = (batch, w + ring_slack if w else max_len, config.num_kv_heads, config.head_dim)
+      # all-zero groups quantize to codes 0, scale 1
+      out.append(jnp.zeros(shape, dtype) if fmt is None else
+                 quantize(jnp.zeros(shape, dtype), fmt))
+    return tuple(out)
+  return KVCache(k=zeros(), v=zeros(), length=jnp.zeros((batch,), jnp.int32), qformat=fmt,
+                 windows=tuple(windows) if any(windows) else (),
+                 capacity=max_len if any(windows) else 0)
 
 
 def overflow_message(row: int, length: int, num_new: int, max_len: int,
@@ -229,23 +281,89 @@ def write(cache: KVCache, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array,
   """
   if not isinstance(cache, KVCache):
     return cache.write(layer, k_BTKH, v_BTKH, positions_BT)
+  t = k_BTKH.shape[1]
   if positions_BT is None:
-    positions_BT = next_positions(cache, k_BTKH.shape[1])
-  start_B = positions_BT[:, 0].astype(jnp.int32)
-  # One dynamic_update_slice per row, vmapped over B (a scatter of T slots per row): rows
-  # may sit at different lengths, and nothing outside the T new slots is read or rewritten.
-  put_row = jax.vmap(lambda old_S, new_T, start: jax.lax.dynamic_update_slice_in_dim(
-      old_S, new_T.astype(old_S.dtype), start, axis=0))
+    positions_BT = next_positions(cache, t)
+  positions_BT = positions_BT.astype(jnp.int32)
+  ring = cache.ring_size(layer)
+  if not ring:
+    # One dynamic_update_slice per row, vmapped over B (a scatter of T slots per row): rows
+    # may sit at different lengths, and nothing outside the T new slots is read or rewritten.
+    put_row = jax.vmap(lambda old_S, new_T, start: jax.lax.dynamic_update_slice_in_dim(
+        old_S, new_T.astype(old_S.dtype), start, axis=0))
+    index_B = positions_BT[:, 0]
+  elif t == 1:  # a decode step: one slot, no wrap and no padding
+    put_row = jax.vmap(lambda old_R, new_1, slot: jax.lax.dynamic_update_slice_in_dim(
+        old_R, new_1.astype(old_R.dtype), slot, axis=0))
+    index_B = positions_BT[:, 0] % ring
+  else:
+    # Slot p mod R for the row's last R real positions; the rest (older ones a long chunk
+    # evicts itself, padding at EMPTY_POSITION) go to slot R, out of range: dropped.
+    end_B = written_end(positions_BT)
+    keep_BT = (positions_BT < EMPTY_POSITION) & (positions_BT >= end_B[:, None] - ring)
+    index_B = jnp.where(keep_BT, positions_BT % ring, ring)
+    put_row = jax.vmap(lambda old_R, new_T, slots_T: old_R.at[slots_T].set(
+        new_T.astype(old_R.dtype), mode='drop'))
 
   def put(arrs, new):
     old = arrs[layer]
     if isinstance(old, QArray):  # quantize on write; scales are per token: B, S tile by 1
       new = quantize(new.astype(old.dtype), cache.qformat)
-      upd = jax.tree.map(lambda o, n: put_row(o, n, start_B), old, new)
+      upd = jax.tree.map(lambda o, n: put_row(o, n, index_B), old, new)
     else:
-      upd = put_row(old, new, start_B)
+      upd = put_row(old, new, index_B)
     return arrs[:layer] + (upd,) + arrs[layer + 1:]
   return dataclasses.replace(cache, k=put(cache.k, k_BTKH), v=put(cache.v, v_BTKH))
+
+
+def written_end(positions_BT: jax.Array) -> jax.Array:
+  """end_B: one past the last real (< EMPTY_POSITION) position of each row."""
+  real_BT = jnp.where(positions_BT < EMPTY_POSITION, positions_BT, -1)
+  return jnp.max(real_BT, axis=1) + 1
+
+
+def ring_positions(end_B: jax.Array, ring: int) -> jax.Array:
+  """pos_BR: the position ring slot s holds, the latest p < end_B with p = s mod R.
+
+  Slots no position reached yet (p < 0) are at EMPTY_POSITION.
+  """
+  last_B1 = end_B[:, None] - 1
+  pos_BR = last_B1 - (last_B1 - jnp.arange(ring, dtype=jnp.int32)[None]) % ring
+  return jnp.where(pos_BR >= 0, pos_BR, EMPTY_POSITION)
+
+
+def write_and_read(cache: KVCache, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array,
+                   positions_BT: jax.Array):
+  """Write T new keys/values of `layer`; return the keys attention reads with them.
+
+  Args:
+    cache: the cache.
+    layer: the layer.
+    k_BTKH: new keys (after RoPE).
+    v_BTKH: new values.
+    positions_BT: their positions (padding at EMPTY_POSITION).
+
+  Returns:
+    (cache, k_BSKH, v_BSKH, k_pos_BS): the cache with the new entries written, and every key
+    the T queries may see, with its position (B of the positions may be 1). A ring layer
+    given more than ring_slack + 1 tokens returns the ring as it was plus the T new keys
+    (S = R + T; module docstring), otherwise the cache's slots after the write.
+  """
+  ring = cache.ring_size(layer)
+  t = k_BTKH.shape[1]
+  if not ring or t <= ring - cache.windows[layer] + 1:
+    cache = write(cache, layer, k_BTKH, v_BTKH, positions_BT)
+    end_B = written_end(positions_BT) if ring else None
+    return (cache,) + read(cache, layer, end_B)
+  k_old, v_old, pos_old = read(cache, layer, positions_BT[:, 0])
+  k_new, v_new = k_BTKH, v_BTKH
+  if cache.qformat is not None:  # what the cache would read back for the new tokens
+    dtype = cache.k[layer].dtype
+    k_new = dequantize(quantize(k_BTKH.astype(dtype), cache.qformat))
+    v_new = dequantize(quantize(v_BTKH.astype(dtype), cache.qformat))
+  cat = lambda old, new: jnp.concatenate([old, new.astype(old.dtype)], axis=1)
+  keys = (cat(k_old, k_new), cat(v_old, v_new), cat(pos_old, positions_BT.astype(jnp.int32)))
+  return (write(cache, layer, k_BTKH, v_BTKH, positions_BT),) + keys
 
 
 def through_format(fmt: Optional[QFormat], k_BTKH: jax.Array, v_BTKH: jax.Array,
@@ -284,17 +402,24 @@ def through_format(fmt: Optional[QFormat], k_BTKH: jax.Array, v_BTKH: jax.Array,
   return fq(k_BTKH), fq(v_BTKH)
 
 
-def read(cache: KVCache, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(k_BSKH, v_BSKH, positions_1S) of `layer`; slot s holds position s in every row.
+def read(cache: KVCache, layer: int,
+         end_B: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(k_BSKH, v_BSKH, positions) of `layer`: slot s holds position s in every row (1S).
 
   Every row is read whole: a row's slots at or past its own `length[b] + T` sit at positions
-  later than its queries (`next_positions`), so the causal mask on those hides them.
+  later than its queries (`next_positions`), so the causal mask on those hides them. A ring
+  layer's slots hold `ring_positions(end_B, R)` (BR), end_B = one past each row's last
+  written position (default `cache.length`: the cache between steps).
   """
-  pos_1S = jnp.arange(cache.max_len, dtype=jnp.int32)[None]
   k, v = cache.k[layer], cache.v[layer]
+  ring = cache.ring_size(layer)
+  if ring:
+    pos = ring_positions(cache.length if end_B is None else end_B, ring)
+  else:
+    pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None]
   if isinstance(k, QArray):
     k, v = dequantize(k), dequantize(v)
-  return k, v, pos_1S
+  return k, v, pos
 
 
 def next_positions(cache: KVCache, num_new: int) -> jax.Array:

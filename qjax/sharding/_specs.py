@@ -165,7 +165,8 @@ def cache_shardings(cache: KVCache, rules: Rules, mesh) -> KVCache:
     return s[0]
   return KVCache(k=tuple(one(a, f'KV cache k[{i}]') for i, a in enumerate(cache.k)),
                  v=tuple(one(a, f'KV cache v[{i}]') for i, a in enumerate(cache.v)),
-                 length=NamedSharding(mesh, PartitionSpec()), qformat=cache.qformat)
+                 length=NamedSharding(mesh, PartitionSpec()), qformat=cache.qformat,
+                 windows=cache.windows, capacity=cache.capacity)
 
 
 def shard_bytes(value, sharding: NamedSharding) -> int:
