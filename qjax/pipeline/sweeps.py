@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 
+import ml_collections
 from flax import nnx
 
 from qjax import checkpoints as qckpt
@@ -40,20 +41,33 @@ def load_sweep(config_path: str):
 
 
 def apply_overrides(config, overrides: dict):
-  """A copy of `config` with dotted-key overrides; unknown keys fail loudly."""
+  """A copy of `config` with overrides: dotted keys ('quant.bits') or top-level ones ('seed').
+
+  Unknown keys, a key that descends into a value that is not a section ('seed.x'), and a key
+  that replaces a whole section with a value ('quant': 4) fail loudly, naming the key.
+  """
   c = config.copy_and_resolve_references()
   for key, value in overrides.items():
-    node, *path = key.split('.')
-    target = c
-    for part in [node] + path[:-1]:
+    if not isinstance(key, str) or not key or '' in key.split('.'):
+      raise ValueError(f'sweep override {key!r}: keys are config field names, dotted for '
+                       "nested fields ('seed', 'quant.bits').")
+    *parents, leaf = key.split('.')
+    target, where = c, 'the config'
+    for part in parents:
       if part not in target:
-        raise ValueError(f'sweep override {key!r}: no config field {part!r}; fields here are '
-                         f'{sorted(target.keys())}.')
-      target = target[part]
-    leaf = path[-1] if path else node
+        raise ValueError(f'sweep override {key!r}: no config field {part!r} in {where}; '
+                         f'fields there are {sorted(target.keys())}.')
+      target, where = target[part], f'{where}.{part}' if where != 'the config' else part
+      if not isinstance(target, ml_collections.ConfigDict):
+        raise ValueError(f'sweep override {key!r}: {where!r} is a value ({target!r}), not a '
+                         f'section with fields; override {where!r} itself.')
     if leaf not in target:
-      raise ValueError(f'sweep override {key!r}: no config field {leaf!r}; fields here are '
-                       f'{sorted(target.keys())}.')
+      raise ValueError(f'sweep override {key!r}: no config field {leaf!r} in {where}; fields '
+                       f'there are {sorted(target.keys())}.')
+    if isinstance(target[leaf], ml_collections.ConfigDict):
+      raise ValueError(f'sweep override {key!r}: {key!r} is a section (fields '
+                       f'{sorted(target[leaf].keys())}); override its fields, e.g. '
+                       f'{key + "." + sorted(target[leaf].keys())[0]!r}.')
     target[leaf] = value
   return c
 
