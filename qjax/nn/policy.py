@@ -111,10 +111,7 @@ class QuantPolicy:
 
   def match(self, path: str) -> tuple[Optional[int], Optional[QuantRule]]:
     """(index, rule) of the first rule matching `path`, or (None, None)."""
-    for i, rule in enumerate(self.rules):
-      if rule.matches(path):
-        return i, rule
-    return None, None
+    return match_rules(self.rules, [path])[0][0]
 
 
 def resolve_format(rule: QuantRule, layer: Einsum, path: str, compute: str = 'auto') -> QFormat:
@@ -146,31 +143,59 @@ def resolve_format(rule: QuantRule, layer: Einsum, path: str, compute: str = 'au
   return fmt
 
 
+def match_rules(rules, paths) -> tuple[list, tuple]:
+  """The regex-rule walk `QuantPolicy` and `qjax.train.lora.AdapterPolicy` share.
+
+  Args:
+    rules: ordered rules with `.pattern` and `.matches(path)` (re.fullmatch).
+    paths: module paths, e.g. ['embed', 'layers/0/attn/q_proj', ...].
+
+  Returns:
+    ([(index, rule) of the first rule matching each path, or (None, None)], the rules that
+    matched no path, in order). An exempt rule counts as matched (it stops later rules).
+  """
+  rules = tuple(rules)
+  matches, used = [], set()
+  for path in paths:
+    hit = next(((i, r) for i, r in enumerate(rules) if r.matches(path)), (None, None))
+    if hit[0] is not None:
+      used.add(hit[0])
+    matches.append(hit)
+  return matches, tuple(r for i, r in enumerate(rules) if i not in used)
+
+
+def report_unused_rules(unused, paths, *, mode: str, strict: bool, fix: str,
+                        shown: int = 3) -> None:
+  """Raise (strict) or warn when rules matched no layer, naming the patterns and the paths."""
+  if not unused:
+    return
+  msg = (f'{mode}: {len(unused)} rule(s) matched no layer: '
+         f'{[r.pattern for r in unused]}; layer paths look like '
+         f'{list(paths)[:shown]} (patterns use re.fullmatch).')
+  if strict:
+    raise ValueError(msg + ' ' + fix)
+  warnings.warn(msg)
+
+
 def _plan(model: nnx.Module, policy: QuantPolicy, mode: str):
   """Per Einsum (path, layer, fmt or None, act or None, reason), and the unused rules."""
-  plan, used = [], set()
-  for path, layer in einsum_layers(model):
+  layers = einsum_layers(model)
+  matches, unused = match_rules(policy.rules, [p for p, _ in layers])
+  plan = []
+  for (path, layer), (i, rule) in zip(layers, matches):
     if layer.quantized:
       raise ValueError(f'{mode}: layer {path!r} is already quantized; start from the float '
                        'model.')
-    i, rule = policy.match(path)
     if rule is None:
       plan.append((path, layer, None, None, 'no rule matched'))
       continue
-    used.add(i)
     if rule.exempt:
       plan.append((path, layer, None, None, f'exempt by rule {i} {rule.pattern!r}'))
       continue
     fmt = resolve_format(rule, layer, path, policy.path)
     plan.append((path, layer, fmt, rule.act, f'rule {i} {rule.pattern!r}'))
-  unused = tuple(r for i, r in enumerate(policy.rules) if i not in used)
-  if unused:
-    msg = (f'{mode}: {len(unused)} rule(s) matched no layer: '
-           f'{[r.pattern for r in unused]}; layer paths look like '
-           f'{[p for p, *_ in plan][:3]} (patterns use re.fullmatch).')
-    if policy.strict:
-      raise ValueError(msg + ' Fix the patterns or pass strict=False.')
-    warnings.warn(msg)
+  report_unused_rules(unused, [p for p, *_ in plan], mode=mode, strict=policy.strict,
+                      fix='Fix the patterns or pass strict=False.')
   return plan, unused
 
 

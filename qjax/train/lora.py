@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import math
 import re
-import warnings
 from typing import Optional
 
 import jax
@@ -43,6 +42,7 @@ from qjax.core import QArray, dequantize
 from qjax.core.learned import pact_clip
 from qjax.nn import einsum_layers, shard_hooks
 from qjax.nn.layers import Einsum, Embed, notify_taps, parse_spec
+from qjax.nn.policy import match_rules, report_unused_rules
 from qjax.train import lora_core
 
 INITS = ('kaiming', 'gaussian')
@@ -116,10 +116,8 @@ class AdapterPolicy:
       raise ValueError('AdapterPolicy: no rules; give at least one AdapterRule.')
 
   def match(self, path: str) -> tuple[Optional[int], Optional[AdapterRule]]:
-    for i, rule in enumerate(self.rules):
-      if rule.matches(path):
-        return i, rule
-    return None, None
+    """(index, rule) of the first rule matching `path`, or (None, None)."""
+    return match_rules(self.rules, [path])[0][0]
 
   def to_dict(self) -> dict:
     return {'rules': [dataclasses.asdict(r) for r in self.rules], 'strict': self.strict}
@@ -280,25 +278,18 @@ def apply_adapters(model: nnx.Module, policy: AdapterPolicy, *, rngs: nnx.Rngs):
     raise ValueError('apply_adapters: the model already has adapters; merge them '
                      '(merge_adapters) or start from the base model.')
   layers = einsum_layers(model)
-  used, adapted, frozen = set(), {}, []
+  adapted, frozen = {}, []
+  matches, unused = match_rules(policy.rules, [p for p, _ in layers])
   plan = []
-  for path, layer in layers:
-    i, rule = policy.match(path)
-    if rule is not None:
-      used.add(i)
-      if rule.exempt:
-        rule = None
+  for (path, layer), (_, rule) in zip(layers, matches):
+    if rule is not None and rule.exempt:
+      rule = None
     if rule is None and not layer.quantized:
       continue
     plan.append((path, layer, rule))
-  unused = tuple(r for i, r in enumerate(policy.rules) if i not in used)
-  if unused:
-    msg = (f'apply_adapters: {len(unused)} rule(s) matched no layer: '
-           f'{[r.pattern for r in unused]}; layer paths look like '
-           f'{[p for p, _ in layers][:4]} (patterns use re.fullmatch).')
-    if policy.strict:
-      raise ValueError(msg + ' Fix the patterns, or AdapterPolicy(strict=False).')
-    warnings.warn(msg)
+  report_unused_rules(unused, [p for p, _ in layers], mode='apply_adapters',
+                      strict=policy.strict, shown=4,
+                      fix='Fix the patterns, or AdapterPolicy(strict=False).')
   if not any(rule is not None for _, _, rule in plan):
     raise ValueError('apply_adapters: the policy gives no layer an adapter (every match is '
                      'exempt); nothing would train.')
@@ -364,17 +355,25 @@ def make_lora_optimizer(model: nnx.Module, tx: optax.GradientTransformation) -> 
   return nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
 
 
+def hidden(model: nnx.Module, tokens_BT: jax.Array, remat: bool = False) -> jax.Array:
+  """The last block's output x_BTD (the input of `model.logits`); with `remat`, each block is
+  recomputed in the backward (`nnx.remat` per block)."""
+  b, t = tokens_BT.shape
+  positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  x_BTD = model.embed_tokens(tokens_BT)
+  if not remat:
+    return model.blocks(x_BTD, positions_BT)[0]
+  block_fn = nnx.remat(lambda block, x, pos: block(x, pos, None)[0])
+  for block in model.layers:
+    x_BTD = block_fn(block, x_BTD, positions_BT)
+  return x_BTD
+
+
 def forward(model: nnx.Module, tokens_BT: jax.Array, remat: bool = False) -> jax.Array:
   """Full causal logits; with `remat`, each block is recomputed in the backward."""
   if not remat:
     return model(tokens_BT)
-  b, t = tokens_BT.shape
-  positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  block_fn = nnx.remat(lambda block, x, pos: block(x, pos, None)[0])
-  x_BTD = model.embed_tokens(tokens_BT)
-  for block in model.layers:
-    x_BTD = block_fn(block, x_BTD, positions_BT)
-  return model.logits(x_BTD)
+  return model.logits(hidden(model, tokens_BT, remat))
 
 
 def lora_loss(model: nnx.Module, batch_BT1: jax.Array, remat: bool = False) -> jax.Array:
