@@ -1,6 +1,14 @@
 r"""Gemma 3 270M perplexity at long context through blockwise attention, in bounded memory.
 
     XLA_FLAGS= .venv/bin/python -m benchmarks.long_context [--seq_len=8192] [--size_only=32768]
+    XLA_FLAGS= .venv/bin/python -m benchmarks.long_context --points=float,rtn-int8,gptq-int4-g128 \
+        --size_only= --out=results/long_context/points.json
+
+`--points` runs the same window through converted models too (the points of
+configs/validate_gemma3.py: RTN int8 per channel and GPTQ int4 g128, the tied embedding /
+head float; GPTQ calibrated on the same 16 x 256 WikiText-2 tokens), for the validation
+reports' perplexity by position bucket out to 8k tokens (Tiny Shakespeare: the GPTQ
+calibration tokens are WikiText-2's, so an 8k WikiText-2 window would contain them).
 
 One window of `seq_len` tokens of a corpus (BOS, then the text from its start: the first 512
 predictions are exactly the first window of the 512-token protocol in
@@ -38,8 +46,11 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from qjax.algorithms import apply_method
 from qjax.checkpoints.gemma3 import load_gemma3_270m
+from qjax.core import int_format
 from qjax.data import corpus
+from qjax.nn import QuantPolicy, QuantRule, quantize_model
 from qjax.infer.blockwise import (bucket_perplexity, forward_temp_bytes, token_nll,
                                   with_attention_impl)
 
@@ -48,6 +59,7 @@ _SIZE_ONLY = flags.DEFINE_list('size_only', ['32768'], 'lengths only compiled an
 _CORPUS = flags.DEFINE_string('corpus', 'tinyshakespeare', 'a qjax.data corpus')
 _BLOCK = flags.DEFINE_integer('block', 512, 'keys per attention block')
 _CHUNK = flags.DEFINE_integer('logits_chunk', 256, 'positions per LM-head call')
+_POINTS = flags.DEFINE_list('points', ['float'], 'models run: float, rtn-int8, gptq-int4-g128')
 _OUT = flags.DEFINE_string('out', 'results/long_context/long_context.json', 'JSON written')
 
 
@@ -71,6 +83,56 @@ def _hwm_gib() -> float:
   return float('nan')
 
 
+def _policy(fmt):
+  return QuantPolicy((QuantRule('embed', exempt=True), QuantRule('.*', fmt)))
+
+
+def build_point(model, name, tok):
+  """The converted model `name` (configs/validate_gemma3.py's points), from the float one."""
+  if name == 'float':
+    return model
+  if name == 'rtn-int8':
+    return quantize_model(model, _policy(int_format(8)))[0]
+  if name == 'gptq-int4-g128':  # experiments/validate.py's calibration windows (BOS first)
+    ids = np.asarray(tok.encode(corpus('wikitext2_valid')).ids)
+    start, n, length = 2 * 512 + 4 * 32, 16, 256
+    calib = ids[start:start + n * length].reshape(n, length).copy()
+    calib[:, 0] = tok.token_to_id('<bos>')
+    return apply_method(model, _policy(int_format(4, group_size=128)), 'gptq', calib,
+                        {'source': 'wikitext2_valid after the evaluated windows', 'seed': 0,
+                         'batch_size': 4})[0]
+  raise ValueError(f'--points: {name!r} is unknown; use float, rtn-int8 or gptq-int4-g128.')
+
+
+def run_points(model, tok, tokens, edges):
+  """Perplexity by position bucket of each --points model on one window; JSON after each."""
+  out = pathlib.Path(_OUT.value)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  res = {'seq_len': tokens.shape[1], 'corpus': _CORPUS.value, 'block': _BLOCK.value,
+         'points': {}}
+  for name in _POINTS.value:
+    ts = time.perf_counter()
+    qmodel = build_point(model, name, tok)
+    built = time.perf_counter() - ts
+    blockwise = with_attention_impl(qmodel, 'blockwise', block_size=_BLOCK.value)
+    reset = _reset_peak()
+    ts = time.perf_counter()
+    nll = np.asarray(token_nll(blockwise, tokens, logits_chunk=_CHUNK.value))[0]
+    run_s = time.perf_counter() - ts
+    res['points'][name] = dict(
+        buckets=bucket_perplexity(nll, edges), ppl=float(np.exp(nll.mean())),
+        build_seconds=built, forward_seconds=run_s,
+        forward_peak_rss_gib=_hwm_gib() if reset else float('nan'),
+        load_average=os.getloadavg())
+    print(f"{name}: ppl {res['points'][name]['ppl']:.3f} over {nll.size} predictions; "
+          + ', '.join(f"{b['start']}-{b['end']}: {b['ppl']:.2f}"
+                      for b in res['points'][name]['buckets'])
+          + f' (built {built:.0f} s, forward {run_s:.0f} s, under load)', flush=True)
+    out.write_text(json.dumps(res, indent=1))
+    del blockwise, qmodel
+  print(f'wrote {out}')
+
+
 def main(_):
   print(f'load average: {os.getloadavg()}', flush=True)
   t0 = time.perf_counter()
@@ -83,6 +145,11 @@ def main(_):
   if len(ids) < t:
     raise ValueError(f'--corpus={_CORPUS.value} has {len(ids)} tokens, fewer than {t}.')
   tokens = np.asarray([ids[:t]], np.int32)
+  if _POINTS.value != ['float']:
+    edges = [0, 512]
+    while edges[-1] * 2 < t:
+      edges.append(edges[-1] * 2)
+    return run_points(model, tok, tokens, edges)
   blockwise = with_attention_impl(model, 'blockwise', block_size=_BLOCK.value)
   sizes = {}
   for n in [t] + [int(s) for s in _SIZE_ONLY.value if s]:

@@ -22,32 +22,24 @@ rule and kv-head padding used.
 
 import ml_collections
 
+from configs.plan_gemma3_h200 import shared
+
 
 def get_config() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.name = 'custom'
-  c.model = ml_collections.ConfigDict(dict(
-      name='llama3_8b_like', n_layers=32, d_model=4096, d_ff=14336, n_heads=32, head_dim=128,
-      n_kv_heads=8, vocab=128_256, glu=True, tied_embeddings=False, parallel_block=False))
-  c.chip = ml_collections.ConfigDict(dict(
-      name='accel_48g', bf16_flops=400e12, int8_flops=800e12, fp8_flops=800e12,
-      hbm_bytes=48e9, hbm_bw=2.0e12, ici_bw=300e9, ici_links=4, topology='switch',
-      domain_size=8, scaleout_bw=25e9))
-  c.n_chips = 8
-  c.mesh = ''
-  c.layouts = 'all'
-  c.pad_heads = True
-  c.pad_kv_heads = False
-  c.interconnect = 'all_links'
-  c.combine = 'serial'
-  c.prefill = ml_collections.ConfigDict(dict(
-      batch=1, prompt_len=2048, history_len=0, weight_bits=16, act_bits=16, kv_bits=16))
-  c.decode = ml_collections.ConfigDict(dict(
-      batch=32, prompt_len=2048, gen_len=128, history_len=0, weight_bits=8, act_bits=16,
-      kv_bits=16))
-  c.efficiency = ml_collections.ConfigDict(dict(
-      flops=1.0, hbm=1.0, ici=1.0, collective_latency_s=0.0, step_overhead_s=0.0))
-  c.plot_batches = (1, 4, 16, 64, 256)
-  c.compare_paper = False
-  c.out_dir = ''
-  return c
+  return shared(
+      name='custom',
+      model=ml_collections.ConfigDict(dict(
+          name='llama3_8b_like', n_layers=32, d_model=4096, d_ff=14336, n_heads=32,
+          head_dim=128, n_kv_heads=8, vocab=128_256, glu=True, tied_embeddings=False,
+          parallel_block=False)),
+      chip=ml_collections.ConfigDict(dict(
+          name='accel_48g', bf16_flops=400e12, int8_flops=800e12, fp8_flops=800e12,
+          hbm_bytes=48e9, hbm_bw=2.0e12, ici_bw=300e9, ici_links=4, topology='switch',
+          domain_size=8, scaleout_bw=25e9)),
+      n_chips=8,
+      prefill=ml_collections.ConfigDict(dict(
+          batch=1, prompt_len=2048, history_len=0, weight_bits=16, act_bits=16, kv_bits=16)),
+      decode=ml_collections.ConfigDict(dict(
+          batch=32, prompt_len=2048, gen_len=128, history_len=0, weight_bits=8, act_bits=16,
+          kv_bits=16)),
+      plot_batches=(1, 4, 16, 64, 256))

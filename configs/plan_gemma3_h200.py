@@ -18,28 +18,30 @@ results/plan/gemma3_h200/.
 import ml_collections
 
 
-def get_config() -> ml_collections.ConfigDict:
-  """The Gemma 3 270M / 1 x H200 planning run."""
+def shared(**fields) -> ml_collections.ConfigDict:
+  """The planning fields every plan config shares (layouts, rules, efficiency), + `fields`."""
   c = ml_collections.ConfigDict()
-  c.name = 'gemma3_h200'
-  c.model = 'gemma3_270m'
-  c.chip = 'h200'
-  c.n_chips = 1
   c.mesh = ''
   c.layouts = 'all'
   c.pad_heads = True
+  c.pad_kv_heads = False
   c.interconnect = 'all_links'
   c.combine = 'serial'
-
-  c.prefill = ml_collections.ConfigDict(dict(
-      batch=1, prompt_len=1024, history_len=0, weight_bits=16, act_bits=16, kv_bits=16))
-  c.decode = ml_collections.ConfigDict(dict(
-      batch=64, prompt_len=1024, gen_len=256, history_len=0, weight_bits=16, act_bits=16,
-      kv_bits=16))
   c.efficiency = ml_collections.ConfigDict(dict(
       flops=1.0, hbm=1.0, ici=1.0, collective_latency_s=0.0, step_overhead_s=0.0))
-
-  c.plot_batches = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
   c.compare_paper = False
   c.out_dir = ''
+  c.update(fields)
   return c
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """The Gemma 3 270M / 1 x H200 planning run."""
+  return shared(
+      name='gemma3_h200', model='gemma3_270m', chip='h200', n_chips=1,
+      prefill=ml_collections.ConfigDict(dict(
+          batch=1, prompt_len=1024, history_len=0, weight_bits=16, act_bits=16, kv_bits=16)),
+      decode=ml_collections.ConfigDict(dict(
+          batch=64, prompt_len=1024, gen_len=256, history_len=0, weight_bits=16, act_bits=16,
+          kv_bits=16)),
+      plot_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))

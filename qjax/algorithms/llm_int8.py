@@ -12,17 +12,28 @@ The outlier columns multiply either a float copy of the weight (`outlier_weights
 the paper's fp16 decomposition: threshold 0 reproduces the float layer, and the device
 holds int8 + float weights) or the dequantized int8 codes (`'int8'`: what an int8-only
 deployment stores, as bitsandbytes does without fp16 weights).
+
+`trigger_rate` measures the decomposition's dynamic fallback on given tokens: per layer, the
+share of feature columns (and of multiply-adds) that took the float path and the share of
+tokens that triggered it (the counts of `llm_int8_core.outlier_counts`, per call).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
+from qjax.algorithms.calibrate import EinsumView
+from qjax.algorithms.llm_int8_core import outlier_counts
 from qjax.core import QArray
+from qjax.nn import einsum_layers
 from qjax.nn.einsum_quant import OUTLIER_WEIGHTS
-from qjax.nn.layers import Einsum
+from qjax.nn.layers import Einsum, tap_inputs
 
 OPTIONS = {'threshold': 6.0, 'outlier_weights': 'float'}
 
@@ -61,3 +72,78 @@ def convert_layer(layer: Einsum, threshold: float, w_float: Optional[jax.Array] 
   quant = layer.quant.replace(outlier_threshold=float(threshold),
                               outlier_weights='int8' if w_float is None else 'float')
   layer.set_quant(quant, **({} if w_float is None else {'w_outlier': w_float}))
+
+
+def llm_int8_layers(model: nnx.Module) -> dict[str, Einsum]:
+  """{path: Einsum} of the layers of `model` that run LLM.int8() (an outlier threshold)."""
+  return {p: l for p, l in einsum_layers(model)
+          if l.quantized and l.quant.outlier_threshold is not None}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _counts(graphdef, state, tokens_BT):
+  """One forward on `tokens_BT` = one LLM.int8() call per layer: its outlier counts."""
+  model = nnx.merge(graphdef, state)
+  layers = llm_int8_layers(model)
+  names = {id(l): p for p, l in layers.items()}
+  out = {}
+
+  def tap(layer, x):  # sees exactly the x that `Einsum.outlier_forward` thresholds
+    p = names.get(id(layer))
+    if p is not None and p not in out:
+      rows = EinsumView.of(layer).x_rows(x)
+      out[p] = outlier_counts(rows, layers[p].quant.outlier_threshold)
+
+  with tap_inputs(tap):
+    model(tokens_BT)
+  return out
+
+
+def trigger_rate(model: nnx.Module, tokens_BT, batch_size: int = 1) -> dict:
+  """The dynamic fallback of a model's LLM.int8() layers on `tokens_BT`.
+
+  Each batch of `batch_size` rows is one call per layer (outlier columns are chosen per call,
+  over the call's tokens), as in serving a prefill of that batch.
+
+  Args:
+    model: a Transformer with LLM.int8() layers (`apply_method(..., 'llm_int8')`).
+    tokens_BT: [B, T] int token ids.
+    batch_size: rows per call.
+
+  Returns:
+    {'layers': {path: {'features' (mean over calls of the share of feature columns in
+     float), 'tokens' (share of all tokens with some |x| > threshold), 'entries',
+     'threshold', 'features_count' (D of the layer)}}, 'features' (multiply-add weighted
+     over layers: the share of the decomposed layers' multiply-adds done in float),
+     'tokens' (mean over layers), 'calls', 'tokens_seen'}.
+  """
+  layers = llm_int8_layers(model)
+  if not layers:
+    raise ValueError('trigger_rate: the model has no LLM.int8() layer (no Einsum with an '
+                     "outlier threshold); convert it with apply_method(..., 'llm_int8').")
+  tokens_BT = np.asarray(tokens_BT)
+  if tokens_BT.ndim != 2 or not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f'trigger_rate: tokens of shape {tokens_BT.shape} and batch_size='
+                     f'{batch_size!r}; give [B, T] tokens and a positive integer batch.')
+  graphdef, state = nnx.split(model)
+  per_call = []
+  for i in range(0, tokens_BT.shape[0], batch_size):
+    per_call.append(jax.device_get(_counts(graphdef, state,
+                                           jnp.asarray(tokens_BT[i:i + batch_size]))))
+  n_tok = [min(batch_size, tokens_BT.shape[0] - i) for i in range(0, tokens_BT.shape[0],
+                                                                    batch_size)]
+  out = {}
+  for p, layer in layers.items():
+    w = np.asarray(n_tok, np.float64) / sum(n_tok)
+    out[p] = {'features': float(np.mean([c[p]['features'] for c in per_call])),
+              'tokens': float(np.dot(w, [c[p]['tokens'] for c in per_call])),
+              'entries': float(np.dot(w, [c[p]['entries'] for c in per_call])),
+              'threshold': float(layer.quant.outlier_threshold),
+              'features_count': EinsumView.of(layer).rows}
+  macs = {p: EinsumView.of(l).rows * EinsumView.of(l).cols for p, l in layers.items()}
+  return {'layers': out,
+          'features': sum(out[p]['features'] * m for p, m in macs.items()) / sum(macs.values()),
+          'tokens': float(np.mean([v['tokens'] for v in out.values()])),
+          'calls': len(per_call), 'tokens_seen': int(tokens_BT.size),
+          'measured_on': f'{tokens_BT.shape[0]} x {tokens_BT.shape[1]} tokens, {batch_size} '
+                         'rows per call (outlier columns are chosen per call)'}

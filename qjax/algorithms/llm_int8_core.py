@@ -40,6 +40,25 @@ def outlier_features(x_MD: jax.Array, threshold) -> jax.Array:
   return jnp.max(jnp.abs(x), axis=0) > threshold
 
 
+def outlier_counts(x_MD: jax.Array, threshold) -> dict:
+  """What one LLM.int8() call sends to the float path: the dynamic trigger rate.
+
+  Args:
+    x_MD: one call's inputs, (..., D): every leading axis is a token of the call.
+    threshold: the outlier threshold on |x|.
+
+  Returns:
+    {'features': share of the D feature columns with some |x| > threshold (the columns the
+     decomposition multiplies in float: `outlier_features`), 'tokens': share of the tokens
+     holding at least one such entry (the tokens that triggered it), 'entries': share of
+     the entries above the threshold}, float32 scalars.
+  """
+  big_MD = jnp.abs(x_MD.reshape(-1, x_MD.shape[-1])) > threshold
+  return {'features': jnp.mean(jnp.any(big_MD, axis=0).astype(jnp.float32)),
+          'tokens': jnp.mean(jnp.any(big_MD, axis=1).astype(jnp.float32)),
+          'entries': jnp.mean(big_MD.astype(jnp.float32))}
+
+
 def llm_int8_matmul(x_MD: jax.Array, w: Union[jax.Array, QArray],
                     threshold: float = 6.0) -> tuple[jax.Array, jax.Array]:
   """LLM.int8() matmul `x @ w` with mixed-precision decomposition.

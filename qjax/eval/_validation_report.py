@@ -93,14 +93,24 @@ def markdown(report: dict) -> str:
                    f"{qv['decode_ms_per_token'] / fv['decode_ms_per_token']:.2f} |")
     lines.append('')
   if 'context_limit' in r:
-    lines += ['## Context limit', '', '| model | budget | batch | predicted max context | '
-              'compiled bytes there | fits (measured) |', '|---|---|---|---|---|---|']
+    lines += ['## Context limit', '', 'The longest decode context whose step fits the budget: '
+              'predicted by the planner (the estimate; and, where given, XLA\'s memory analysis '
+              'of the step compiled from shapes alone), then this model\'s step compiled at the '
+              'prediction and run once.', '',
+              '| model | budget | batch | estimate | predicted (planner) | predicted bytes | '
+              'compiled bytes there | error | run: peak RSS above start | fits (measured) |',
+              '|---|---|---|---|---|---|---|---|---|---|']
     for k in ('float', 'quant'):
       c = r['context_limit'][k]
-      lines.append(f"| {k} | {_mb(c['budget_bytes'])} | {c['batch']} | "
-                   f"{c['predicted_max_context']} (cap {c['capped_at']}) | "
-                   f"{_mb(c['compiled_bytes']) if 'compiled_bytes' in c else ''} | "
-                   f"{c.get('confirmed')} |")
+      cells = [k, _mb(c['budget_bytes']), c['batch'], c.get('estimate_max_context', ''),
+               f"{c['predicted_max_context']} ({c.get('planner', 'estimate')}; cap "
+               f"{c['capped_at']})",
+               _mb(c['predicted_bytes']) if 'predicted_bytes' in c else '',
+               _mb(c['compiled_bytes']) if 'compiled_bytes' in c else '',
+               f"{c['prediction_error']:+.2%}" if 'prediction_error' in c else '',
+               _mb(c['run_peak_rss_above_start']) if 'run_peak_rss_above_start' in c else '',
+               c.get('confirmed')]
+      lines.append('| ' + ' | '.join(str(x) for x in cells) + ' |')
     lines.append('')
   if 'ppl_by_position' in r:
     pp = r['ppl_by_position']
@@ -109,6 +119,15 @@ def markdown(report: dict) -> str:
     for f, q in zip(pp['float'], pp['quant']):
       lines.append(f"| {f['lo']}-{f['hi']} | {f['ppl']:.4g} | {q['ppl']:.4g} |")
     lines.append('')
+  if 'fallback' in r and 'trigger_rate' in r['fallback']:
+    tr = r['fallback']['trigger_rate']
+    lines += ['## Fallback trigger rate', '',
+              '| layers fell back | share of layers | of parameters | of bytes |',
+              '|---|---|---|---|',
+              f"| {len(tr.get('fell_back', []))} | {tr['layers']:.1%} | {tr['params']:.1%} | "
+              f"{tr['bytes']:.1%} |", '']
+  if 'llm_int8_trigger' in r:
+    lines += _llm_int8_lines(r['llm_int8_trigger'])
   for key in ('fallback', 'mixed_precision', 'llm_int8'):
     if key in r:
       lines += [f'## {key}', '', '```', _short(r[key]), '```', '']
@@ -121,6 +140,20 @@ def markdown(report: dict) -> str:
     shown = ', '.join(paths[:4]) + (f' (+{len(paths) - 4})' if len(paths) > 4 else '')
     lines.append(f'| {wf} | {af} | {shown} |')
   return '\n'.join(lines)
+
+
+def _llm_int8_lines(t: dict) -> list[str]:
+  """LLM.int8()'s dynamic fallback: per layer, features (columns) and tokens in float."""
+  lines = ['## LLM.int8() dynamic trigger rate', '',
+           f"Measured on {t['measured_on']}: {t['features']:.3%} of the decomposed layers' "
+           f"multiply-adds ran in float (outlier feature columns); on average "
+           f"{t['tokens']:.2%} of a layer's tokens held an entry above the threshold.", '',
+           '| layer | threshold | features in float | tokens that triggered | entries above |',
+           '|---|---|---|---|---|']
+  for p, v in t['layers'].items():
+    lines.append(f"| {p} | {v['threshold']:g} | {v['features']:.3%} of {v['features_count']} | "
+                 f"{v['tokens']:.2%} | {v['entries']:.4%} |")
+  return lines + ['']
 
 
 def _short(d) -> str:

@@ -9,8 +9,11 @@ Prediction (no model is built; `nnx.eval_shape` gives the Einsum shapes):
                at the parameter dtype;
   KV cache     2 * L * B * S * K * H * itemsize (seed 000, sec. 4.2) for a float cache; codes
                + one scale per token and kv head for a quantized one (`qjax.nn.init_cache`);
-  activations  the largest live set of one step, a stated estimate (module docstring of
-               `activation_bytes`), checked against XLA's `compiled.memory_analysis()`.
+  activations  the largest live set of one step: either a stated estimate
+               (`activation_bytes`, plus a cache copy XLA:CPU makes in a batch-1 decode step)
+               or, with `compiled=True`, exactly what XLA allocates: the step compiled from
+               shapes alone (`abstract_model`: `nnx.eval_shape` of the quantized model, no
+               weight materialised), its `memory_analysis()` temp + unaliased output.
 
 Measurement (`measure`): the device buffers of the model's state and of an empty cache, the
 compiled prefill / decode steps' temp, argument and output sizes, and the process' peak RSS.
@@ -32,7 +35,7 @@ from flax import nnx
 from qjax.core import QFormat, packing
 from qjax.core.numerics import scale_shape
 from qjax.nn import (QuantPolicy, Transformer, TransformerConfig, einsum_layers, init_cache,
-                     kv_format, resolve_format)
+                     kv_format, quantize_model, resolve_format, with_kv_format)
 from qjax.nn.kvcache import check_format
 
 GiB = 2 ** 30
@@ -168,7 +171,7 @@ class Prediction:
 
 def predict(cfg: TransformerConfig, policy: Optional[QuantPolicy] = None, *, batch: int,
             context: int, prompt: Optional[int] = None, kv: Optional[QFormat | str] = None,
-            formats=None) -> Prediction:
+            formats=None, compiled: bool = False) -> Prediction:
   """Predicted memory of serving `batch` sequences of `context` tokens (prompt `prompt`).
 
   Args:
@@ -177,6 +180,9 @@ def predict(cfg: TransformerConfig, policy: Optional[QuantPolicy] = None, *, bat
     batch, context: sequences and cache length.
     prompt: prefill tokens per row (default: `context`).
     kv: the KV-cache format (None float).
+    compiled: activations from XLA's memory analysis of the prefill and decode steps compiled
+      from shapes alone (`compiled_step_bytes`; needs `policy`, not `formats`), instead of
+      the estimate.
 
   Returns:
     A `Prediction`.
@@ -184,12 +190,31 @@ def predict(cfg: TransformerConfig, policy: Optional[QuantPolicy] = None, *, bat
   _check_workload(cfg, batch, context)
   prompt = context if prompt is None else prompt
   kv_b = kv_bytes(cfg, batch, context, kv)
-  # Measured on XLA:CPU (Gemma 3 270M, 14.5k and 32k contexts): a cached decode step's temp
-  # holds one more copy of the cache (~1.0x its bytes) besides the activations, so a decode
-  # at long context needs weights + 2x KV; counted here, not left to a fudge factor.
-  return Prediction(weight_bytes(cfg, policy, formats), kv_b,
-                    activation_bytes(cfg, batch, prompt, context),
-                    activation_bytes(cfg, batch, 1, context) + kv_b)
+  weights = weight_bytes(cfg, policy, formats)
+  if compiled:
+    if formats is not None:
+      raise ValueError('predict: compiled=True builds the abstract model from `policy`; pass '
+                       'the policy instead of formats.')
+    acts = [step_activations(compiled_step_bytes(cfg, policy, batch=batch, tokens=t,
+                                                 context=context, kv=kv))
+            for t in (prompt, 1)]
+    return Prediction(weights, kv_b, *acts)
+  return Prediction(weights, kv_b, activation_bytes(cfg, batch, prompt, context),
+                    activation_bytes(cfg, batch, 1, context) + decode_cache_copy(cfg, batch,
+                                                                                 kv_b))
+
+
+def decode_cache_copy(cfg: TransformerConfig, batch: int, kv: int) -> int:
+  """Bytes of the cache copy the estimate adds to a decode step's activations.
+
+  Measured on XLA:CPU (jax 0.10, `compiled_step_bytes` on Gemma 3 270M): a batch-1 decode
+  step's temp holds one more copy of the whole cache (1.03x its bytes at 4k, 7.3k, 8k and
+  14.5k tokens), a batch-2 or batch-4 step's none (0.03x); on the 2-layer tiny model, half
+  of it at every batch. XLA's buffer assignment decides this, so the estimate counts the
+  batch-1 copy and `compiled=True` asks XLA instead.
+  """
+  del cfg
+  return kv if batch == 1 else 0
 
 
 def _check_workload(cfg, batch, context):
@@ -214,7 +239,8 @@ def _largest(ok, lo: int, hi: int) -> int:
 def what_fits(cfg: TransformerConfig, budget_bytes: float,
               policies: Mapping[str, Optional[QuantPolicy]], *, batch: int = 1,
               context: int = 0, prompt: Optional[int] = None,
-              kv: Optional[QFormat | str] = None, max_batch: int = 4096) -> dict:
+              kv: Optional[QFormat | str] = None, max_batch: int = 4096,
+              compiled: bool = False) -> dict:
   """Answer "what fits in `budget_bytes`" for each named policy.
 
   Decode is the phase planned (the cache at its full length, one new token per row); the
@@ -229,6 +255,8 @@ def what_fits(cfg: TransformerConfig, budget_bytes: float,
     prompt: prefill chunk in tokens (default 1).
     kv: KV-cache format.
     max_batch: search bound for the batch.
+    compiled: search with `predict(..., compiled=True)` (one XLA compile per probe, from the
+      estimate's answer outwards; minutes on a real model).
 
   Returns:
     {name: {'weights', 'fits' (at batch x context), 'total' (bytes there), 'max_batch'
@@ -241,15 +269,47 @@ def what_fits(cfg: TransformerConfig, budget_bytes: float,
   out = {}
   for name, policy in policies.items():
     formats = layer_formats(cfg, policy)
-    def total(b, s, formats=formats):
-      return predict(cfg, batch=b, context=s, prompt=min(prompt, s), kv=kv,
-                     formats=formats).total
+    total = _total_fn(cfg, policy, formats, prompt, kv)
+    fits_total = total(batch, context, compiled)
     out[name] = {
         'weights': weight_bytes(cfg, formats=formats)['total'],
-        'total': total(batch, context), 'fits': total(batch, context) <= budget_bytes,
-        'max_batch': _largest(lambda b: total(b, context) <= budget_bytes, 1, max_batch),
-        'max_context': _largest(lambda s: total(batch, s) <= budget_bytes, 1, cfg.max_len)}
+        'total': fits_total, 'fits': fits_total <= budget_bytes,
+        'max_batch': _search(lambda b, c: total(b, context, c) <= budget_bytes, max_batch,
+                             compiled),
+        'max_context': _search(lambda s, c: total(batch, s, c) <= budget_bytes, cfg.max_len,
+                               compiled),
+        'planner': 'compiled' if compiled else 'estimate'}
   return out
+
+
+def max_context(cfg: TransformerConfig, budget_bytes: float,
+                policy: Optional[QuantPolicy] = None, *, batch: int = 1,
+                kv: Optional[QFormat | str] = None, compiled: bool = False) -> int:
+  """The longest cache (<= cfg.max_len) whose decode fits `budget_bytes` at `batch` (the
+  `max_context` of `what_fits`, without the batch search); 0 if none does."""
+  if not budget_bytes > 0:
+    raise ValueError(f'max_context: budget_bytes={budget_bytes!r} must be > 0.')
+  total = _total_fn(cfg, policy, layer_formats(cfg, policy), 1, kv)
+  return _search(lambda s, c: total(batch, s, c) <= budget_bytes, cfg.max_len, compiled)
+
+
+def _total_fn(cfg, policy, formats, prompt, kv):
+  def total(b, s, compiled):
+    kw = dict(policy=policy, compiled=True) if compiled else dict(formats=formats)
+    return predict(cfg, batch=b, context=s, prompt=min(prompt, s), kv=kv, **kw).total
+  return total
+
+
+def _search(ok_of, hi: int, compiled: bool) -> int:
+  """Largest n in [1, hi] with ok_of(n, compiled); compiled probes start from the estimate's
+  answer, so they cost ~log2 of the distance, not of hi."""
+  guess = _largest(lambda n: ok_of(n, False), 1, hi)
+  if not compiled:
+    return guess
+  ok = functools.lru_cache(maxsize=None)(lambda n: ok_of(n, True))
+  if guess and ok(guess):
+    return _largest(ok, guess, hi)
+  return _largest(ok, 1, max(guess - 1, 1))
 
 
 # ---------------------------------------------------------------------------- measurement
@@ -263,13 +323,7 @@ def _step(graphdef, state, tokens_BT, cache):
   return logits_BTV[:, -1], cache
 
 
-def compiled_memory(model: nnx.Module, batch: int, tokens: int, context: int) -> dict:
-  """XLA's memory analysis of one cached step feeding `tokens` per row into a cache of
-  `context` slots (prefill: tokens = prompt; decode: tokens = 1); compiled, not run.
-
-  Returns:
-    {'temp', 'argument', 'output', 'alias', 'generated_code'} in bytes.
-  """
+def _analyse(model, batch: int, tokens: int, context: int) -> dict:
   cfg = model.config
   graphdef, state = nnx.split(model)
   cache = jax.eval_shape(lambda: init_cache(cfg, batch, context, fmt=kv_format(model)))
@@ -282,10 +336,99 @@ def compiled_memory(model: nnx.Module, batch: int, tokens: int, context: int) ->
           'generated_code': int(m.generated_code_size_in_bytes)}
 
 
-def peak_rss_bytes() -> int:
-  """The process' peak resident set size so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+def compiled_memory(model: nnx.Module, batch: int, tokens: int, context: int) -> dict:
+  """XLA's memory analysis of one cached step feeding `tokens` per row into a cache of
+  `context` slots (prefill: tokens = prompt; decode: tokens = 1); compiled, not run.
+
+  Returns:
+    {'temp', 'argument', 'output', 'alias', 'generated_code'} in bytes.
+  """
+  return _analyse(model, batch, tokens, context)
+
+
+def abstract_model(cfg: TransformerConfig, policy: Optional[QuantPolicy] = None,
+                   kv: Optional[QFormat | str] = None) -> nnx.Module:
+  """The model `quantize_model` would give under `policy` (KV format `kv`), as shapes only:
+  `nnx.eval_shape`, so no weight is materialised (an RTN, GPTQ or AWQ conversion in the
+  same formats has the same shapes)."""
+  def build():
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    if policy is not None:
+      model = quantize_model(model, policy)[0]
+    return model if kv is None else with_kv_format(model, kv)
+  return nnx.eval_shape(build)
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract_for(cfg, policy, kv):
+  return abstract_model(cfg, policy, kv)
+
+
+def compiled_step_bytes(cfg: TransformerConfig, policy: Optional[QuantPolicy] = None, *,
+                        batch: int, tokens: int, context: int,
+                        kv: Optional[QFormat | str] = None) -> dict:
+  """`compiled_memory` of the model `policy` gives, compiled from shapes (`abstract_model`):
+  what XLA on this backend will allocate for the step, with no model built."""
+  _check_workload(cfg, batch, context)
+  try:
+    return dict(_compiled_cached(cfg, policy, kv, batch, tokens, context))
+  except TypeError:  # an unhashable policy: compile it uncached
+    return _analyse(abstract_model(cfg, policy, kv), batch, tokens, context)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_cached(cfg, policy, kv, batch, tokens, context):
+  return _analyse(_abstract_for(cfg, policy, kv), batch, tokens, context)
+
+
+def step_activations(analysis: dict) -> int:
+  """A compiled step's bytes beyond its arguments: temp + the output not aliased to them."""
+  return analysis['temp'] + analysis['output'] - analysis['alias']
+
+
+def run_step(model: nnx.Module, tokens_BT, cache):
+  """Run the step `compiled_memory` analyses (the cache donated): (last logits, cache)."""
+  graphdef, state = nnx.split(model)
+  return _step(graphdef, state, jnp.asarray(tokens_BT, jnp.int32), cache)
+
+
+def _proc_status_kib(key: str) -> Optional[int]:
+  try:
+    with open('/proc/self/status') as f:
+      for line in f:
+        if line.startswith(key + ':'):
+          return int(line.split()[1])
+  except OSError:
+    pass
+  return None
+
+
+def peak_rss_bytes(since_reset: bool = False) -> int:
+  """The process' peak resident set size (ru_maxrss: KiB on Linux, bytes on macOS); with
+  `since_reset`, the peak since `reset_peak_rss` (Linux VmHWM)."""
+  if since_reset:
+    hwm = _proc_status_kib('VmHWM')
+    if hwm is not None:
+      return hwm * 1024
   r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   return int(r if sys.platform == 'darwin' else r * 1024)
+
+
+def current_rss_bytes() -> int:
+  """The process' resident set size now (Linux VmRSS; the peak elsewhere)."""
+  rss = _proc_status_kib('VmRSS')
+  return rss * 1024 if rss is not None else peak_rss_bytes()
+
+
+def reset_peak_rss() -> bool:
+  """Reset the peak RSS that `peak_rss_bytes(since_reset=True)` reads (Linux: '5' to
+  /proc/self/clear_refs); False where unsupported."""
+  try:
+    with open('/proc/self/clear_refs', 'w') as f:
+      f.write('5')
+    return True
+  except OSError:
+    return False
 
 
 def measure(model: nnx.Module, *, batch: int, context: int, prompt: Optional[int] = None,

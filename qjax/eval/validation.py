@@ -9,8 +9,9 @@ on each corpus given, task accuracy with paired 95% intervals, memory (predicted
 `qjax.eval.memory` from config + policy, measured from the device buffers and the compiled
 steps), latency (prefill tok/s, decode ms/token at each batch, float and quantized in the
 same run), the context limit under a budget (predicted, then compiled and run), perplexity by
-position bucket over a long window, and what actually ran (per-layer weight and activation
-formats read back from the quantized model). `write` puts validation.json, validation.md and
+position bucket over a long window, the dynamic trigger rate of LLM.int8() layers (features
+and tokens that took the float path, per layer), and what actually ran (per-layer weight and
+activation formats read back from the quantized model). `write` puts validation.json, validation.md and
 validation.png in `out_dir`; with a conversion record there, the record links them.
 """
 
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from qjax.algorithms.llm_int8 import llm_int8_layers, trigger_rate
 from qjax.checkpoints import records
 from qjax.eval import memory as qmemory
 from qjax.eval import metrics
@@ -162,30 +164,41 @@ def memory_section(quant_model, policy, *, batch: int, context: int, prompt: int
 
 
 def context_limit(model, policy, *, budget_bytes: int, batch: int = 1,
-                  max_context: Optional[int] = None) -> dict:
+                  max_context: Optional[int] = None, compiled: bool = True) -> dict:
   """The longest decode context under `budget_bytes`: predicted, then compiled and run.
 
-  Predicted by `qjax.eval.memory` (weights + KV + one decode step's activations); confirmed
-  by building the cache at that length, compiling the decode step (XLA's argument + temp
-  + output bytes, the cache and weights included once) and running one step.
+  Predicted by `qjax.eval.memory` (weights + KV + one decode step's activations) two ways:
+  the estimate, and (`compiled`) XLA's memory analysis of the step compiled from shapes
+  alone; confirmed at the prediction used (the compiled one when asked) by building the
+  cache at that length, compiling this model's decode step (XLA's argument + temp + output
+  - alias bytes: weights and cache counted once) and running one step, with the process'
+  peak RSS around the run.
   """
   cfg = model.config
   cap = min(max_context or cfg.max_len, cfg.max_len)
-  fits = qmemory.what_fits(cfg.replace(max_len=cap), budget_bytes, {'model': policy},
-                           batch=batch, context=cap, kv=kv_format(model))['model']
-  s = fits['max_context']
-  out = {'budget_bytes': int(budget_bytes), 'batch': batch, 'predicted_max_context': s,
-         'capped_at': cap}
+  ccfg, kv = cfg.replace(max_len=cap), kv_format(model)
+  est = qmemory.max_context(ccfg, budget_bytes, policy, batch=batch, kv=kv)
+  out = {'budget_bytes': int(budget_bytes), 'batch': batch, 'estimate_max_context': est,
+         'capped_at': cap, 'planner': 'compiled' if compiled else 'estimate'}
+  s = qmemory.max_context(ccfg, budget_bytes, policy, batch=batch, kv=kv,
+                          compiled=True) if compiled else est
+  out['predicted_max_context'] = s
   if s < 1:
     out['confirmed'] = False
     return out
+  out['predicted_bytes'] = qmemory.predict(ccfg, policy, batch=batch, context=s, prompt=1,
+                                           kv=kv, compiled=compiled).total
   cm = qmemory.compiled_memory(model, batch, 1, s)
   used = cm['argument'] + cm['temp'] + cm['output'] - cm['alias']
-  cache = init_cache(cfg, batch, s, fmt=kv_format(model))
+  cache = init_cache(cfg, batch, s, fmt=kv)
   cache = dataclasses.replace(cache, length=jnp.full_like(cache.length, s - 1))
-  graphdef, state = nnx.split(model)  # the step just analysed, run once at full context
-  jax.block_until_ready(qmemory._step(graphdef, state, jnp.zeros((batch, 1), jnp.int32), cache))
-  out.update(compiled_bytes=used, compiled=cm, confirmed=used <= budget_bytes, ran=True)
+  rss0 = qmemory.current_rss_bytes()
+  reset = qmemory.reset_peak_rss()  # the step just analysed, run once at full context
+  jax.block_until_ready(qmemory.run_step(model, jnp.zeros((batch, 1), jnp.int32), cache))
+  if reset:
+    out['run_peak_rss_above_start'] = qmemory.peak_rss_bytes(since_reset=True) - rss0
+  out.update(compiled_bytes=used, compiled=cm, confirmed=used <= budget_bytes, ran=True,
+             prediction_error=out['predicted_bytes'] / used - 1)
   return out
 
 
@@ -316,6 +329,10 @@ def validate(float_model: nnx.Module, quant_model: nnx.Module, *, name: str,
     report['ppl_by_position'] = {'float': cache['long:float'], 'tokens': t,
                                  'quant': bucket_ppl(position_nll(quant_model, long_window),
                                                      edges)}
+  if llm_int8_layers(quant_model):  # a dynamic fallback: count what took the float path
+    report['llm_int8_trigger'] = trigger_rate(quant_model, prompts)
+    log(f"{name}: LLM.int8() features in float {report['llm_int8_trigger']['features']:.4f}, "
+        f"tokens {report['llm_int8_trigger']['tokens']:.4f}")
   report['what_ran'] = what_ran(quant_model)
   report['kv_cache'] = kv_format(quant_model).name if kv_format(quant_model) else (
       f'{quant_model.config.dtype} (not quantized)')
@@ -349,5 +366,10 @@ def write(report: dict, out_dir: str, link: bool = False) -> dict:
         'files': rel, 'kl': report['logits']['kl'],
         'perplexity': {k: v['quant'] for k, v in report['perplexity'].items()},
         **({'fallback': report['fallback']['trigger_rate']} if 'fallback' in report else {}),
+        **({'llm_int8_trigger': {k: report['llm_int8_trigger'][k]
+                                 for k in ('features', 'tokens', 'measured_on')} | {
+            'layers': {p: {'features': v['features'], 'tokens': v['tokens']}
+                       for p, v in report['llm_int8_trigger']['layers'].items()}}}
+           if 'llm_int8_trigger' in report else {}),
         'what_ran': 'see validation.json what_ran'}}, replaced=REPORT_DIR + '/')
   return paths

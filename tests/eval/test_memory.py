@@ -73,3 +73,28 @@ def test_bad_workload_is_refused():
     memory.predict(CFG, batch=1, context=65)
   with pytest.raises(ValueError, match='budget_bytes'):
     memory.what_fits(CFG, 0, {'f': None})
+
+
+def test_compiled_prediction_is_what_xla_allocates_for_the_built_model(model):
+  # The step compiled from shapes alone (no weights) against the same step of built models.
+  policy = POLICIES['int4-g32']
+  qmodel = quantize_model(model, policy)[0]
+  for tokens in (1, 8):
+    got = memory.compiled_step_bytes(CFG, policy, batch=2, tokens=tokens, context=40)
+    assert got == memory.compiled_memory(qmodel, 2, tokens, 40), tokens
+  pred = memory.predict(CFG, policy, batch=2, context=40, prompt=8, compiled=True)
+  decode = memory.compiled_memory(qmodel, 2, 1, 40)
+  assert pred.decode_activations == decode['temp'] + decode['output'] - decode['alias']
+
+
+def test_compiled_max_context_fits_and_one_more_does_not():
+  policy = POLICIES['int4-g32']
+  budget = memory.predict(CFG, policy, batch=1, context=48, prompt=1, compiled=True).total
+  s = memory.max_context(CFG, budget, policy, compiled=True)
+  assert s >= 48
+  assert memory.predict(CFG, policy, batch=1, context=s, prompt=1, compiled=True).total <= budget
+  if s < CFG.max_len:
+    assert memory.predict(CFG, policy, batch=1, context=s + 1, prompt=1,
+                          compiled=True).total > budget
+  with pytest.raises(ValueError, match='pass the policy instead of formats'):
+    memory.predict(CFG, batch=1, context=8, compiled=True, formats={})

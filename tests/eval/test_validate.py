@@ -1,5 +1,6 @@
 """qjax.eval.validate on the tiny model: every section present and consistent, the report
-linked from a verified conversion record, and the formats it states are the ones that ran."""
+linked from a verified conversion record, and the formats it states are the ones that ran;
+an LLM.int8() conversion's dynamic trigger rate in the report."""
 
 import json
 import os
@@ -9,13 +10,15 @@ import pytest
 from flax import nnx
 
 from qjax import checkpoints as qckpt
+from qjax.algorithms.llm_int8 import convert_layer, trigger_rate
 from qjax.checkpoints import records
 from qjax.core import int_format
 from qjax.data import corpus
 from qjax.eval import tasks as qtasks
 from qjax.eval import validate
 from qjax.eval.validation import what_ran
-from qjax.nn import QuantPolicy, QuantRule, Transformer, TransformerConfig, quantize_model
+from qjax.nn import (QuantPolicy, QuantRule, Transformer, TransformerConfig, einsum_layers,
+                     quantize_model)
 from qjax.train.data import ByteTokenizer
 
 POLICY = QuantPolicy((QuantRule('embed', exempt=True), QuantRule('.*', int_format(8))))
@@ -81,6 +84,8 @@ def test_report_sections_are_present_and_consistent(run):
   assert c['quant']['confirmed'] and c['quant']['compiled_bytes'] <= 1_000_000
   assert c['quant']['predicted_max_context'] == 32
   assert c['quant']['compiled_bytes'] < c['float']['compiled_bytes']
+  for k in ('float', 'quant'):  # the compiled planner predicts the built model's bytes
+    assert c[k]['planner'] == 'compiled' and abs(c[k]['prediction_error']) < 0.05, c[k]
   pp = r['ppl_by_position']
   assert pp['tokens'] == 32 and len(pp['quant']) == 1 and pp['quant'][0]['hi'] == 32
 
@@ -124,3 +129,23 @@ def test_another_base_is_refused(run):
   other = Transformer(TransformerConfig.tiny(), rngs=nnx.Rngs(1))
   with pytest.raises(ValueError, match='converted from another base'):
     records.verify_base(rec, tree=nnx.state(other))
+
+
+def test_llm_int8_trigger_rate_in_the_report(tmp_path):
+  # The record's copy of it is written by the same `write(..., link=True)` that the record
+  # test above checks; a second saved checkpoint would cost most of this file's time.
+  model = Transformer(TransformerConfig.tiny(), rngs=nnx.Rngs(0))
+  qmodel, _ = quantize_model(model, POLICY)
+  for _, layer in einsum_layers(qmodel):  # LLM.int8() at threshold 1: some columns, not all
+    if layer.quantized:
+      convert_layer(layer, 1.0)
+  prompts = ByteTokenizer().encode(corpus('tinyshakespeare')[:200])[None, :12]
+  r = validate(model, qmodel, name='llm-int8', out_dir=str(tmp_path), prompts=prompts,
+               greedy_prompts=prompts[:, :4], greedy_tokens=1, log=lambda s: None)
+  t = r['llm_int8_trigger']
+  ref = trigger_rate(qmodel, prompts)
+  assert t['layers'] == ref['layers'] and t['features'] == ref['features']
+  assert 0 < t['features'] < 1 and 0 < t['tokens'] <= 1
+  assert r['what_ran']['layers/0/attn/q_proj']['act'].startswith('int8 + float outlier')
+  md = open(os.path.join(str(tmp_path), 'validation', 'validation.md')).read()
+  assert '## LLM.int8() dynamic trigger rate' in md and 'layers/0/attn/q_proj' in md
