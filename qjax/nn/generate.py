@@ -1,7 +1,12 @@
 """Greedy generation: prefill the prompt into a KV cache, then decode one token per step.
 
-The step is one jitted function of (graphdef, state, tokens_BT, cache), compiled once for
-the prompt length and once for T = 1; the model's arrays are arguments, not constants, so a
+The step is one jitted function of (graphdef, state, tokens_BT, num_real, cache), compiled
+once per padded prompt width and once for T = 1: a prompt of T > 1 tokens is padded to its
+bucket (`bucket_length`: the next power of two by default, or a list) and `num_real` says how
+many are real, so prompts of 5, 6 and 7 tokens share one compile (`step_compilations()`
+counts them). Padding tokens sit at `kvcache.EMPTY_POSITION`: no real query sees them and no
+ring stores them. `greedy_generate` also sizes its cache to a bucket, so decode compiles once
+per bucket too. The model's arrays are arguments, not constants, so a
 quantized model's codes are not baked into the executable. Sampling strategies and batching
 belong to `qjax.infer`; this is the minimal loop the experiments need.
 
@@ -28,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -151,41 +156,125 @@ def _check_and_run(model, tokens_BT, cache, run: Callable):
   return out, new_cache
 
 
-def _last_logits(model, tokens_BT, cache):
-  """`model(tokens_BT, cache=cache)` with the head applied to the last position only.
+def bucket_length(t: int, buckets: Optional[Sequence[int]] = None) -> int:
+  """The length a T-token call is padded to: the next power of two (`buckets=None`), the
+  smallest of `buckets` >= T, or T itself (T = 1, `buckets=()`, or T above every bucket)."""
+  if t <= 1 or (buckets is not None and not buckets):
+    return t
+  if buckets is None:
+    return 1 << (t - 1).bit_length()
+  return min((b for b in buckets if b >= t), default=t)
+
+
+def _check_buckets(buckets, what: str):
+  if buckets is None:
+    return None
+  buckets = tuple(buckets)
+  if not all(isinstance(b, (int, np.integer)) and b >= 1 for b in buckets):
+    raise ValueError(f'{what}: buckets={buckets!r} must be positive ints (lengths a call is '
+                     'padded to), None (powers of two) or () (no padding).')
+  return tuple(sorted(int(b) for b in buckets))
+
+
+def _pad_tokens(tokens_BT, width: int):
+  """tokens_BT padded with id 0 at the end to `width` columns (on the host when it is there)."""
+  pad = width - tokens_BT.shape[1]
+  if not pad:
+    return tokens_BT
+  if isinstance(tokens_BT, np.ndarray):
+    return np.pad(tokens_BT, ((0, 0), (0, pad)))
+  return jnp.pad(jnp.asarray(tokens_BT), ((0, 0), (0, pad)))
+
+
+def _fed_positions(cache, width: int, num_real):
+  """positions_BT of a call of `width` tokens, the first `num_real` real: padding sits at
+  EMPTY_POSITION, later than every query (hidden by the causal mask) and never written to a
+  ring; a full-length layer writes it past the row's length, where a rollback would leave it."""
+  positions_BT = kvcache.next_positions(cache, width)
+  real_1T = jnp.arange(width, dtype=jnp.int32)[None] < num_real
+  return jnp.where(real_1T, positions_BT, kvcache.EMPTY_POSITION)
+
+
+def _last_logits(model, tokens_BT, cache, num_real):
+  """`model(tokens_BT[:, :num_real], cache=cache)` with the head on the last real position.
 
   A prefill of T tokens otherwise computes T x V logits to keep one row (Gemma: 512 x 262k,
   a 512 MiB buffer and ~2/3 of the prefill's FLOPs). The checks `Transformer.__call__` makes
   on the cache run on the host in `_check_and_run`.
   """
-  t = tokens_BT.shape[1]
-  positions_BT = kvcache.next_positions(cache, t)
+  positions_BT = _fed_positions(cache, tokens_BT.shape[1], num_real)
   x_BTD, cache = model.blocks(model.embed_tokens(tokens_BT), positions_BT, cache)
-  return model.logits(x_BTD[:, -1:])[:, 0], kvcache.advance(cache, t)
+  x_B1D = jax.lax.dynamic_slice_in_dim(x_BTD, num_real - 1, 1, axis=1)
+  return model.logits(x_B1D)[:, 0], kvcache.advance(cache, num_real)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def _greedy_step(graphdef, state, tokens_BT, cache):
+# Traces of each jitted step (one per compilation): `step_compilations()`.
+_TRACES = {'greedy': 0, 'pick': 0, 'logits': 0}
+
+
+def step_compilations() -> dict[str, int]:
+  """How many times each jitted step was traced (= compiled) in this process.
+
+  Keys: 'greedy' (`greedy_step`, `greedy_generate`), 'pick' (`decode_step`), 'logits'
+  (`logits_step`). A step compiles once per (padded) token width, cache shape and model
+  structure; with buckets, prompts of lengths 5, 6 and 7 share the width 8.
+  """
+  return dict(_TRACES)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
+def _greedy_step(graphdef, state, tokens_BT, num_real, cache):
+  _TRACES['greedy'] += 1
   model = nnx.merge(getattr(graphdef, 'graphdef', graphdef), state)
-  logits_BV, cache = _last_logits(model, tokens_BT, cache)
+  logits_BV, cache = _last_logits(model, tokens_BT, cache, num_real)
   return jnp.argmax(logits_BV, axis=-1).astype(tokens_BT.dtype), cache
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=3)
-def _pick_step(graphdef, state, tokens_BT, cache, pick, pick_args):
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=4)
+def _pick_step(graphdef, state, tokens_BT, num_real, cache, pick, pick_args):
+  _TRACES['pick'] += 1
   model = nnx.merge(getattr(graphdef, 'graphdef', graphdef), state)
-  logits_BV, cache = _last_logits(model, tokens_BT, cache)
+  logits_BV, cache = _last_logits(model, tokens_BT, cache, num_real)
   return pick(logits_BV, *pick_args), cache
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def _logits_step(graphdef, state, tokens_BT, cache):
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
+def _logits_step(graphdef, state, tokens_BT, num_real, cache):
+  _TRACES['logits'] += 1
   model = nnx.merge(getattr(graphdef, 'graphdef', graphdef), state)
-  return model(tokens_BT, cache=cache)
+  positions_BT = _fed_positions(cache, tokens_BT.shape[1], num_real)
+  x_BTD, cache = model.blocks(model.embed_tokens(tokens_BT), positions_BT, cache)
+  return model.logits(x_BTD), kvcache.advance(cache, num_real)
+
+
+def _padded_run(model, tokens_BT, cache, buckets, what: str, run: Callable):
+  """`_check_and_run` with tokens_BT padded to its bucket where the cache has room.
+
+  `run(static, state, tokens_BT, num_real)` dispatches the jitted step. Padding needs every
+  row's length on the host (a full-length layer writes the padded width from each row's
+  length on, and must not run past max_len); otherwise the call runs unpadded.
+  """
+  buckets = _check_buckets(buckets, what)
+  t = tokens_BT.shape[1]
+  width = bucket_length(t, buckets)
+  if width > t and isinstance(cache, KVCache):
+    lengths = _host_lengths(cache)
+    if lengths is None and not isinstance(cache.length, jax.core.Tracer) and getattr(
+        cache.length, 'is_fully_addressable', True):
+      lengths = np.asarray(cache.length)
+    room = None if lengths is None else cache.max_len - int(np.max(lengths))
+    width = t if room is None else max(t, min(width, room))
+  else:
+    width = t
+  fed_BT = _pad_tokens(tokens_BT, width)
+  num_real = np.int32(t)
+  return _check_and_run(model, tokens_BT, cache,
+                        lambda g, s: run(g, s, fed_BT, num_real))
 
 
 def decode_step(model: nnx.Module, tokens_BT: jax.Array, cache: KVCache,
-                pick: Callable[..., Any], *pick_args) -> tuple[Any, KVCache]:
+                pick: Callable[..., Any], *pick_args,
+                buckets: Optional[Sequence[int]] = None) -> tuple[Any, KVCache]:
   """Feed `tokens_BT` through the cached model and `pick` from the last position's logits.
 
   Args:
@@ -195,42 +284,53 @@ def decode_step(model: nnx.Module, tokens_BT: jax.Array, cache: KVCache,
     pick: a hashable function `pick(logits_BV, *pick_args) -> out` (a module-level function,
       so that the step compiles once per pick); traced inside the step.
     *pick_args: arrays (pytrees) passed to `pick`.
+    buckets: a prompt (T > 1) is padded to `bucket_length(T, buckets)` so that the step
+      compiles once per bucket: None = powers of two, a list of lengths, () = no padding.
 
   Returns:
     (out, cache): what `pick` returned, and the cache advanced by T.
   """
-  return _check_and_run(model, tokens_BT, cache, lambda g, s: _pick_step(
-      g, s, tokens_BT, cache, pick, pick_args))
+  return _padded_run(model, tokens_BT, cache, buckets, 'decode_step', lambda g, s, x, n:
+                     _pick_step(g, s, x, n, cache, pick, pick_args))
 
 
-def logits_step(model: nnx.Module, tokens_BT: jax.Array,
-                cache: KVCache) -> tuple[jax.Array, KVCache]:
+def logits_step(model: nnx.Module, tokens_BT: jax.Array, cache: KVCache, *,
+                buckets: Optional[Sequence[int]] = ()) -> tuple[jax.Array, KVCache]:
   """Feed `tokens_BT` through the cached model: (logits_BTV of every fed position, cache).
 
-  The cache passed in is donated (its buffers are reused); use the returned one.
+  The cache passed in is donated (its buffers are reused); use the returned one. `buckets`
+  as `decode_step`, but off by default: a verifier feeds a fixed T, where padding only adds
+  work.
   """
-  return _check_and_run(model, tokens_BT, cache,
-                        lambda g, s: _logits_step(g, s, tokens_BT, cache))
+  t = tokens_BT.shape[1]
+  logits_BTV, cache = _padded_run(model, tokens_BT, cache, buckets, 'logits_step',
+                                  lambda g, s, x, n: _logits_step(g, s, x, n, cache))
+  return (logits_BTV if logits_BTV.shape[1] == t else logits_BTV[:, :t]), cache
 
 
-def greedy_step(model: nnx.Module, tokens_BT: jax.Array,
-                cache: KVCache) -> tuple[jax.Array, KVCache]:
+def greedy_step(model: nnx.Module, tokens_BT: jax.Array, cache: KVCache, *,
+                buckets: Optional[Sequence[int]] = None) -> tuple[jax.Array, KVCache]:
   """Feed `tokens_BT` through the cached model; the argmax next token_B and the new cache.
 
   The cache passed in is donated (its buffers are reused); use the returned one. A step that
-  would write past the cache's max_len raises here, on the host, naming the row.
+  would write past the cache's max_len raises here, on the host, naming the row. A prompt
+  (T > 1) is padded to its bucket (`decode_step`'s `buckets`): one compile per bucket.
   """
-  return _check_and_run(model, tokens_BT, cache,
-                        lambda g, s: _greedy_step(g, s, tokens_BT, cache))
+  return _padded_run(model, tokens_BT, cache, buckets, 'greedy_step',
+                     lambda g, s, x, n: _greedy_step(g, s, x, n, cache))
 
 
-def greedy_generate(model: nnx.Module, prompt_BT: jax.Array, num_steps: int) -> jax.Array:
+def greedy_generate(model: nnx.Module, prompt_BT: jax.Array, num_steps: int, *,
+                    buckets: Optional[Sequence[int]] = None) -> jax.Array:
   """Greedy continuation of `prompt_BT` by `num_steps` tokens.
 
   Args:
     model: a `Transformer` (float, quantized or fake-quantized).
     prompt_BT: int token ids, the same length for every row.
     num_steps: tokens to generate (>= 0).
+    buckets: the prompt is padded to `bucket_length(T, buckets)` and the cache sized to
+      `bucket_length(T + num_steps, buckets)` (at most config.max_len), so that prefill and
+      decode compile once per bucket: None = powers of two, a list, () = exact sizes.
 
   Returns:
     tokens of shape (B, T + num_steps): the prompt followed by the generated tokens.
@@ -247,11 +347,16 @@ def greedy_generate(model: nnx.Module, prompt_BT: jax.Array, num_steps: int) -> 
                      'prompt or generate fewer tokens.')
   if num_steps == 0:
     return prompt_BT
-  cache = kvcache.init_cache(cfg, b, t + num_steps, fmt=kv_format(model))
+  buckets = _check_buckets(buckets, 'greedy_generate')
+  size = min(cfg.max_len, max(t + num_steps, bucket_length(t + num_steps, buckets)))
+  cache = kvcache.init_cache(cfg, b, size, fmt=kv_format(model))
   graphdef, state = _split(model)  # the sizes above make every step fit: no further checks
-  tok_B, cache = _greedy_step(graphdef, state, prompt_BT, cache)
+  width = min(size, max(t, bucket_length(t, buckets)))
+  one = np.int32(1)
+  tok_B, cache = _greedy_step(graphdef, state, _pad_tokens(prompt_BT, width), np.int32(t),
+                              cache)
   out = [prompt_BT, tok_B[:, None]]
   for _ in range(num_steps - 1):
-    tok_B, cache = _greedy_step(graphdef, state, tok_B[:, None], cache)
+    tok_B, cache = _greedy_step(graphdef, state, tok_B[:, None], one, cache)
     out.append(tok_B[:, None])
   return jnp.concatenate(out, axis=1)

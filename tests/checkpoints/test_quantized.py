@@ -59,3 +59,30 @@ def test_ptq_structure_reloads_bit_for_bit(tmp_path, method, policy, options, fi
   for (p, l), (_, m) in zip(einsum_layers(loaded), einsum_layers(qmodel)):
     assert l.quant == m.quant, p
   np.testing.assert_array_equal(_logits(loaded), _logits(qmodel))
+
+
+def test_load_builds_the_skeleton_abstractly(tmp_path, monkeypatch):
+  """The reload never holds a float (or any) copy of the weights before the restore: the
+  skeleton's leaves are abstract (traced, no buffers) and the restored ones are the saved
+  quantized arrays."""
+  from qjax.checkpoints import quantized  # pylint: disable=g-import-not-at-top
+  from qjax.nn import quantize_model  # pylint: disable=g-import-not-at-top
+  policy = QuantPolicy((QuantRule('.*', int_format(4, group_size=16)),))
+  qmodel = quantize_model(Transformer(CFG, rngs=nnx.Rngs(0)), policy)[0]
+  save_quantized(str(tmp_path), qmodel, policy, _record('none'))
+  built = []
+  real = quantized.skeleton
+
+  def spy(record):
+    model = real(record)
+    built.append([type(x) for x in jax.tree.leaves(nnx.state(model))])
+    return model
+  monkeypatch.setattr(quantized, 'skeleton', spy)
+  loaded, _ = load_quantized(str(tmp_path))
+  assert len(built) == 1 and built[0]
+  assert all(issubclass(t, jax.core.Tracer) for t in built[0]), set(built[0])
+  leaves = jax.tree.leaves(nnx.state(loaded))
+  assert all(isinstance(x, jax.Array) for x in leaves)
+  assert sum(x.nbytes for x in leaves) == sum(x.nbytes for x in jax.tree.leaves(
+      nnx.state(qmodel)))
+  np.testing.assert_array_equal(_logits(loaded), _logits(qmodel))
