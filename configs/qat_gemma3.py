@@ -78,6 +78,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.qat.kv = ''                    # '' float KV cache, or 'int4' (the KV-int4 variant)
   c.qat.freeze = 'embed'           # modules not trained (the tied embedding / float head)
   c.qat.remat = True
+  c.qat.loss_chunk = 32             # positions whose [chunk, V] logits exist at once
   c.qat.seed = 1
   c.qat.log_every = 5
 
@@ -101,6 +102,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
     c.qat.scale_lr = 1e-2
     c.qat.log_every = 0
     c.qat.remat = False
+    c.qat.loss_chunk = 16
   return c
 
 

@@ -35,6 +35,7 @@ from qjax.pipeline import ptq
 from qjax.pipeline.finetune import FinetuneContext, all_rows, run_steps
 from qjax.train import distill as qdistill
 from qjax.train import lora
+from qjax.train.lean_step import lean_step
 from qjax.train.optim import make_optimizer
 
 KINDS = ('float', 'ptq', 'qat', 'float_ft')
@@ -66,35 +67,32 @@ def _optimizer(model, qc, wrt):
 
 
 @nnx.jit
-def _teacher_logits(teacher, tokens_BT):
-  return teacher(tokens_BT)
+def teacher_hidden(teacher, tokens_BT):
+  """The frozen teacher's last hidden states [B, T, D] (its own jitted call: the training
+  step then holds no teacher activations, and its logits are formed chunk by chunk)."""
+  return lora.hidden(teacher, tokens_BT)
 
 
-def _distill_step(wrt, alpha: float, temperature: float, remat: bool):
-  """One student step on precomputed teacher logits (the teacher runs in its own jitted
-  call, so the step's program holds no teacher activations)."""
-  @nnx.jit
-  def step(student, opt, teacher_BTV, batch_BT1):
+def distill_step(student, opt, teacher, wrt, alpha: float, temperature: float, remat: bool,
+                 chunk: int):
+  """step(h_BTD, batch_BT1) -> loss: `chunked_distill_loss` of the student's hidden states
+  against the teacher's (`teacher_hidden`), the teacher's head applied chunk by chunk; the
+  trained weights and the optimizer state are donated (`lean_step`: no second copy of the
+  weights and Adam moments per step)."""
+  def loss_fn(m, t, h_BTD, batch_BT1):
     tokens_BT, labels_BT = batch_BT1[:, :-1], batch_BT1[:, 1:]
-
-    def loss_fn(m):
-      return qdistill.distill_loss(lora.forward(m, tokens_BT, remat), teacher_BTV, labels_BT,
-                                   alpha=alpha, temperature=temperature)[0]
-
-    loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(student)
-    opt.update(student, grads)
-    return loss
-  return step
+    return qdistill.chunked_distill_loss(
+        m.logits, lora.hidden(m, tokens_BT, remat), labels_BT, chunk=chunk,
+        teacher_logits=t.logits, h_BTD=h_BTD, alpha=alpha, temperature=temperature)[0]
+  return lean_step(student, opt, wrt, loss_fn, frozen=(teacher,))
 
 
-def _ce_step(wrt, remat: bool):
-  @nnx.jit
-  def step(model, opt, batch_BT1):
-    loss, grads = nnx.value_and_grad(lora.lora_loss, argnums=nnx.DiffState(0, wrt))(
-        model, batch_BT1, remat)
-    opt.update(model, grads)
-    return loss
-  return step
+def ce_step(model, opt, wrt, remat: bool, chunk: int):
+  """step(batch_BT1) -> loss: plain cross entropy, chunked logits, donated state."""
+  def loss_fn(m, batch_BT1):
+    return qdistill.chunked_distill_loss(m.logits, lora.hidden(m, batch_BT1[:, :-1], remat),
+                                         batch_BT1[:, 1:], chunk=chunk)[0]
+  return lean_step(model, opt, wrt, loss_fn)
 
 
 def _trainable(model, wrt) -> int:
@@ -114,10 +112,10 @@ def qat_point(ctx: FinetuneContext, c, log=print) -> dict:
     student.embed.w.set_value(teacher.embed.w.get_value())
   wrt = _wrt(qc.freeze)
   opt = _optimizer(student, qc, wrt)
-  step = _distill_step(wrt, float(qc.alpha), float(qc.temperature), bool(qc.remat))
+  step = distill_step(student, opt, teacher, wrt, float(qc.alpha), float(qc.temperature),
+                      bool(qc.remat), int(qc.loss_chunk))
   t0 = time.perf_counter()
-  stats = run_steps(lambda b: step(student, opt, _teacher_logits(teacher, b[:, :-1]), b), ctx,
-                    qc, log)
+  stats = run_steps(lambda b: step(teacher_hidden(teacher, b[:, :-1]), b), ctx, qc, log)
   row = {**stats, 'train_seconds': time.perf_counter() - t0,
          'trainable_params': _trainable(student, wrt)}
   del opt
@@ -136,9 +134,9 @@ def float_ft_point(ctx: FinetuneContext, c, log=print) -> dict:
   ctx.drop_float()
   wrt = nnx.All(nnx.Param, nnx.Not(nnx.PathContains(qc.freeze))) if qc.freeze else nnx.Param
   opt = _optimizer(model, qc, wrt)
-  step = _ce_step(wrt, bool(qc.remat))
+  step = ce_step(model, opt, wrt, bool(qc.remat), int(qc.loss_chunk))
   t0 = time.perf_counter()
-  stats = run_steps(lambda b: step(model, opt, b), ctx, qc, log)
+  stats = run_steps(step, ctx, qc, log)
   row = {**stats, 'train_seconds': time.perf_counter() - t0,
          'trainable_params': _trainable(model, wrt)}
   del opt

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +63,62 @@ def distill_loss(student_logits_BTV: jax.Array, teacher_logits_BTV: jax.Array,
   logp_t = jax.nn.log_softmax(t / temperature, axis=-1)
   logp_s = jax.nn.log_softmax(s / temperature, axis=-1)
   kl = jnp.sum(jnp.exp(logp_t) * (logp_t - logp_s), axis=-1).mean()
+  loss = alpha * ce + (1.0 - alpha) * temperature ** 2 * kl
+  return loss, {'ce': ce, 'kl': kl}
+
+
+def chunked_distill_loss(student_logits: Callable[[jax.Array], jax.Array], x_BTD: jax.Array,
+                         labels_BT: jax.Array, *, chunk: int,
+                         teacher_logits: Optional[Callable[[jax.Array], jax.Array]] = None,
+                         h_BTD: Optional[jax.Array] = None, alpha: float = 1.0,
+                         temperature: float = 1.0):
+  """`distill_loss` (or, without a teacher, the label cross entropy) from hidden states, over
+  chunks of `chunk` positions whose logits are recomputed in the backward.
+
+  A large vocabulary makes the logits the biggest activations (Gemma's 262k x 128 positions:
+  134 MB per f32 [T, V] buffer, several of them live in the loss and its gradient); here at
+  most one chunk's [B, chunk, V] buffers exist at a time (`jax.checkpoint` per chunk).
+
+  Args:
+    student_logits: [B, t, D] -> [B, t, V] (e.g. `model.logits`: final norm, head, softcap).
+    x_BTD: the student's last hidden states (differentiable).
+    labels_BT: next-token ids.
+    chunk: positions per chunk; must divide T.
+    teacher_logits, h_BTD: the teacher's head and its hidden states (no gradient flows into
+      them), or None for the cross entropy alone.
+    alpha, temperature: as in `distill_loss` (alpha must be 1 without a teacher).
+
+  Returns:
+    (loss, {'ce', 'kl'}) averaged over the B * T positions, as `distill_loss` returns them.
+  """
+  check_distill(alpha, temperature)
+  b, t = labels_BT.shape
+  if not isinstance(chunk, int) or chunk < 1 or t % chunk:
+    raise ValueError(f'chunked_distill_loss: chunk={chunk!r} must be an int >= 1 dividing the '
+                     f'{t} positions (e.g. {math.gcd(t, 32)}).')
+  if (teacher_logits is None) != (h_BTD is None):
+    raise ValueError('chunked_distill_loss: give both teacher_logits and h_BTD, or neither.')
+  if teacher_logits is None and alpha != 1.0:
+    raise ValueError(f'chunked_distill_loss: alpha={alpha!r} weighs a teacher term, but no '
+                     'teacher was given; pass teacher_logits and h_BTD, or alpha=1.')
+
+  @jax.checkpoint
+  def part(x, h, y):
+    s = student_logits(x).astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(s, y).sum()
+    if h is None:
+      return ce, jnp.zeros((), jnp.float32)
+    tl = jax.lax.stop_gradient(teacher_logits(h).astype(jnp.float32))
+    logp_t = jax.nn.log_softmax(tl / temperature, axis=-1)
+    logp_s = jax.nn.log_softmax(s / temperature, axis=-1)
+    return ce, jnp.sum(jnp.exp(logp_t) * (logp_t - logp_s))
+
+  ce = kl = jnp.zeros((), jnp.float32)
+  for i in range(0, t, chunk):
+    c, k = part(x_BTD[:, i:i + chunk], None if h_BTD is None else h_BTD[:, i:i + chunk],
+                labels_BT[:, i:i + chunk])
+    ce, kl = ce + c, kl + k
+  ce, kl = ce / (b * t), kl / (b * t)
   loss = alpha * ce + (1.0 - alpha) * temperature ** 2 * kl
   return loss, {'ce': ce, 'kl': kl}
 

@@ -9,8 +9,8 @@ from flax import nnx
 
 from qjax.core import int_format
 from qjax.nn import QuantPolicy, QuantRule, Transformer, TransformerConfig
-from qjax.train import (QATScale, check_teacher, distill_loss, distill_step, make_optimizer,
-                        make_qat_optimizer, prepare_qat, student_config)
+from qjax.train import (QATScale, check_teacher, chunked_distill_loss, distill_loss, distill_step,
+                        make_optimizer, make_qat_optimizer, prepare_qat, student_config)
 
 CFG = TransformerConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
                         head_dim=32, d_ff=64, max_len=32)
@@ -124,3 +124,41 @@ def test_teacher_checkpoint_with_another_vocabulary_is_refused(tmp_path):
   student = Transformer(pipeline.model_config(c, 300), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='vocab_size=257 but the student 300'):
     pipeline.load_teacher(str(tmp_path), student)
+
+
+def _hidden_and_head(key):
+  """Hidden states and a linear + tanh-softcapped head standing in for `model.logits`."""
+  k1, k2, k3 = jax.random.split(jax.random.key(key), 3)
+  x = jax.random.normal(k1, (2, 8, 16))
+  h = jax.random.normal(k2, (2, 8, 16))
+  w = jax.random.normal(k3, (16, 64)) * 0.5
+  return x, h, lambda a: 30.0 * jnp.tanh(a @ w / 30.0)
+
+
+@pytest.mark.parametrize('chunk', [2, 8])
+def test_chunked_loss_and_gradient_equal_the_whole_loss(chunk):
+  x, h, head = _hidden_and_head(7)
+  labels = jax.random.randint(jax.random.key(8), (2, 8), 0, 64)
+  whole = lambda x: distill_loss(head(x), head(h), labels, alpha=0.4, temperature=2.0)
+  chunked = lambda x: chunked_distill_loss(head, x, labels, chunk=chunk, teacher_logits=head,
+                                           h_BTD=h, alpha=0.4, temperature=2.0)
+  (lw, aw), gw = jax.value_and_grad(whole, has_aux=True)(x)
+  (lc, ac), gc = jax.value_and_grad(chunked, has_aux=True)(x)
+  np.testing.assert_allclose(lc, lw, rtol=1e-6)
+  np.testing.assert_allclose(ac['kl'], aw['kl'], rtol=1e-5)
+  np.testing.assert_allclose(gc, gw, rtol=1e-5, atol=1e-7)
+  # Without a teacher it is the label cross entropy.
+  ce = optax.softmax_cross_entropy_with_integer_labels(head(x), labels).mean()
+  np.testing.assert_allclose(chunked_distill_loss(head, x, labels, chunk=chunk)[0], ce,
+                             rtol=1e-6)
+
+
+def test_chunked_loss_bad_input_is_a_clear_value_error():
+  x, h, head = _hidden_and_head(9)
+  labels = jnp.zeros((2, 8), jnp.int32)
+  with pytest.raises(ValueError, match=r'chunk=3 must be an int >= 1 dividing the 8'):
+    chunked_distill_loss(head, x, labels, chunk=3)
+  with pytest.raises(ValueError, match='both teacher_logits and h_BTD'):
+    chunked_distill_loss(head, x, labels, chunk=4, teacher_logits=head)
+  with pytest.raises(ValueError, match='no teacher was given'):
+    chunked_distill_loss(head, x, labels, chunk=4, alpha=0.5)
