@@ -9,7 +9,10 @@ Points (`sweep()` sets `point.kind` and overrides; rows of results.jsonl, resuma
                               re-quantized by RTN (conversion record: adapter config, merge
                               status, ppl before / after), reloaded bit for bit; the adapters
                               are also saved alone with the base's content hash
-  qlora-r16-gptq-int4-g128    the same on a GPTQ base (base precision / method sweep)
+  qlora-r16-gptq-int4-g128    the same on a GPTQ base (the base-method sweep)
+  base- / qlora-r16-rtn-{int8-channel,int3-g128}
+                              the base-precision sweep: RTN bases of 8 bits per channel and
+                              3 bits in groups of 128, rank-16 adapters on each
   full-bfloat16               every weight fine-tuned in bf16 (AdamW states in bf16), the
                               same steps, for the memory and quality comparison
   export-gptq-qlora-r4-...    the r4 point's saved adapters loaded onto the RTN base (hash
@@ -102,10 +105,17 @@ def get_config() -> ml_collections.ConfigDict:
   return c
 
 
+# The base-precision sweep: the same rank-16 adapters on RTN bases of 8, 4 and 3 bits (int8
+# per channel, int4 / int3 in groups of 128); int4 g128 is the main rows' base.
+PRECISIONS = ({'quant.bits': 8, 'quant.group_size': 0}, {'quant.bits': 3})
+
+
 def sweep() -> list[dict]:
+  precision = [{'point.kind': kind, **p, **({'lora.rank': 16} if kind == 'qlora' else {})}
+               for p in PRECISIONS for kind in ('base', 'qlora')]
   return [{'point.kind': 'float'}, {'point.kind': 'base'},
           {'point.kind': 'qlora', 'lora.rank': 4}, {'point.kind': 'qlora', 'lora.rank': 16},
           {'point.kind': 'full'},
           {'point.kind': 'export', 'lora.rank': 4, 'export.method': 'gptq'},
           {'point.kind': 'base', 'quant.method': 'gptq'},
-          {'point.kind': 'qlora', 'lora.rank': 16, 'quant.method': 'gptq'}]
+          {'point.kind': 'qlora', 'lora.rank': 16, 'quant.method': 'gptq'}] + precision

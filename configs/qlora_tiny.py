@@ -1,7 +1,8 @@
 r"""QLoRA sweep in seconds: a random tiny model (byte tokenizer) on Tiny Shakespeare.
 
-The same points as configs/qlora_gemma3.py (float, the int4 g128 RTN base, QLoRA at two
-ranks with merge + re-quantization, a bf16 full fine-tune) on a 2-layer random model, so
+The same points as configs/qlora_gemma3.py (float, the int4 g64 RTN base, QLoRA at two
+ranks with merge + re-quantization, a bf16 full fine-tune, and the base-precision sweep:
+int8 per channel and int3 g64 RTN bases with rank-8 adapters) on a 2-layer random model, so
 tests and colab/qlora.ipynb run the whole pipeline quickly.
 
 Command:
@@ -48,5 +49,8 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 def sweep() -> list[dict]:
+  """The Gemma config's main points, then its base-precision sweep (rank 8 here)."""
+  precision = [{'point.kind': kind, **p, **({'lora.rank': 8} if kind == 'qlora' else {})}
+               for p in qlora_gemma3.PRECISIONS for kind in ('base', 'qlora')]
   return [{'point.kind': 'float'}, {'point.kind': 'base'}, {'point.kind': 'qlora', 'lora.rank': 4},
-          {'point.kind': 'qlora', 'lora.rank': 8}, {'point.kind': 'full'}]
+          {'point.kind': 'qlora', 'lora.rank': 8}, {'point.kind': 'full'}] + precision
