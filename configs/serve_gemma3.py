@@ -20,6 +20,11 @@ results.json.
 Command:
   XLA_FLAGS= .venv/bin/python -m experiments.serve --config=configs/serve_gemma3.py
   --config.small=True: 10 requests, short prompts and outputs, max_batch 4 (~5 min).
+  --config.quick=True: the two targets checked in one short run (`quick`): continuous vs
+  static on a saturating trace with widely spread outputs (target >= 2x), and the TTFT of
+  system-prompt requests with / without prefix caching on a second, unsaturated trace
+  (`ttft_trace`: arrivals far apart, so TTFT is the prefill, not the queue; target >= 3x),
+  plus the HF `generate` row; float cache only (one set of step buckets to compile).
 Expected run time: full ~20-30 minutes on 2 idle CPU cores (load ~20 s; each KV format
   compiles its step buckets once, ~1 min each); small ~5-8 minutes.
 Measured (small mode, under load: load average 17, 2026-12-02): continuous / static
@@ -49,6 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = 'gemma3_270m'            # or 'tiny': a random tiny model (smoke runs)
   c.param_dtype = 'float32'
   c.small = False
+  c.quick = False
   c.seed = 0
   c.corpus = 'tinyshakespeare'
   c.trace = dict(num_requests=32, rate=4.0, prompt_len=(16, 96), output_len=(16, 64),
@@ -75,4 +81,21 @@ def small(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                   max_len=128, ring=False)
   c.max_batch_limit = 8
   c.out_dir = 'results/serve_gemma3_small'
+  return c
+
+
+def quick(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The targets-check mode (`--config.quick=True`; the module docstring)."""
+  c = ml_collections.ConfigDict(c.to_dict())
+  c.trace = dict(num_requests=16, rate=8.0, prompt_len=(8, 16), output_len=(1, 48),
+                 shared_fraction=0.5)
+  # One request at a time (a mean gap of 20 s of trace time; the replay skips idle time).
+  c.ttft_trace = dict(num_requests=6, rate=0.05, prompt_len=(8, 16), output_len=(2, 4),
+                      shared_fraction=0.75)
+  c.system_len = 128
+  # 8 of the longest requests (1 + 128 + 16 + 48 - 1 = 192 positions = 12 pages).
+  c.engine = dict(max_batch=8, page_size=16, num_pages=1 + 8 * 12, chunk_size=32,
+                  max_len=192, ring=False)
+  c.variants = 'continuous,static,prefix,hf'
+  c.out_dir = 'results/serve_gemma3_quick'
   return c

@@ -57,7 +57,7 @@ def _workload_table(c):
 
 
 def _gemma_trace(c):
-  """Gemma 3 270M, its tokenizer, and the config's trace of Tiny Shakespeare windows."""
+  """Gemma 3 270M, its tokenizer, and the config's traces of Tiny Shakespeare windows."""
   from qjax.checkpoints.gemma3 import load_gemma3_270m  # pylint: disable=g-import-not-at-top
   from qjax.data import corpus  # pylint: disable=g-import-not-at-top
   model, tok, info = load_gemma3_270m(param_dtype=c.param_dtype)
@@ -68,9 +68,10 @@ def _gemma_trace(c):
     raise ValueError(f'system_len={c.system_len} is longer than the system prompt '
                      f'({len(system)} tokens); lower it.')
   source = tok.encode(corpus(c.corpus)[:200_000]).ids[1:]
-  trace = trace_lib.poisson_trace(**c.trace, system_prompt=system[:c.system_len],
-                                  token_source=source, bos=bos, seed=c.seed)
-  return model, tok, trace, tok.token_to_id('<pad>')
+  make = lambda spec: trace_lib.poisson_trace(**spec, system_prompt=system[:c.system_len],
+                                             token_source=source, bos=bos, seed=c.seed)
+  ttft = make(c.ttft_trace) if c.get('ttft_trace') else None
+  return model, tok, make(c.trace), ttft, tok.token_to_id('<pad>')
 
 
 def _hf_generate_row(trace, max_batch: int, pad_id: int) -> dict:
@@ -117,19 +118,26 @@ def _hf_generate_row(trace, max_batch: int, pad_id: int) -> dict:
 def _trace_comparison(c):
   if c.small:
     c = serve_gemma3.small(c)
+  if c.get('quick'):
+    c = serve_gemma3.quick(c)
   print(f'load average before: {os.getloadavg()}', flush=True)
   if c.model == 'tiny':
     cfg = TransformerConfig.tiny(max_len=c.engine.max_len)
     model, pad_id = Transformer(cfg, rngs=nnx.Rngs(c.seed)), 0
-    trace = trace_lib.poisson_trace(**c.trace, system_prompt=list(range(1, 1 + c.system_len)),
-                                    vocab_size=cfg.vocab_size, seed=c.seed)
+    make = lambda spec: trace_lib.poisson_trace(
+        **spec, system_prompt=list(range(1, 1 + c.system_len)), vocab_size=cfg.vocab_size,
+        seed=c.seed)
+    trace = make(c.trace)
+    ttft_trace = make(c.ttft_trace) if c.get('ttft_trace') else None
   else:
-    model, _, trace, pad_id = _gemma_trace(c)
+    model, _, trace, ttft_trace, pad_id = _gemma_trace(c)
   print(f'trace: {len(trace)} requests over {trace[-1].arrival:.1f} s, prompts '
         f'{min(len(r.prompt) for r in trace)}-{max(len(r.prompt) for r in trace)} tokens, '
         f'{sum(r.shared for r in trace)} with the system prompt, '
         f'{sum(r.max_tokens for r in trace)} output tokens', flush=True)
   variants = c.variants.split(',')
+  if c.model == 'tiny' and 'hf' in variants:  # HF loads Gemma's GGUF: not the tiny model
+    variants.remove('hf')
   ecfg = infer.EngineConfig(**c.engine)
   rows = serving.compare(model, trace, ecfg, [v for v in variants if v != 'hf'],
                          max_batch_limit=c.max_batch_limit, pad_id=pad_id,
@@ -137,10 +145,19 @@ def _trace_comparison(c):
   if 'hf' in variants:
     rows.append(_hf_generate_row(trace, ecfg.max_batch, pad_id))
     print(rows[-1], flush=True)
+  ttft_rows = []
+  if ttft_trace is not None:  # prefix caching's TTFT without queueing (config.quick)
+    ttft_rows = serving.compare(model, ttft_trace, ecfg, ['continuous', 'prefix'],
+                                pad_id=pad_id, log=lambda r: print(r, flush=True))
+    for r in ttft_rows:
+      r['variant'] = f"{r['variant']} (unsaturated trace)"
   load = os.getloadavg()
   print(f'load average after: {load}', flush=True)
-  print(markdown_table(rows, serving.COLUMNS))
+  print(markdown_table(rows + ttft_rows, serving.COLUMNS))
   ratios = serving.ratios(rows)
+  if ttft_rows:
+    ratios.update({f'{k} (unsaturated trace)': v for k, v in serving.ratios(
+        [dict(r, variant=r['variant'].split(' ')[0]) for r in ttft_rows]).items()})
   for k, v in ratios.items():
     print(f'{k}: {v:.3g}' if isinstance(v, float) else f'{k}: {v}')
   out = pathlib.Path(c.out_dir)
@@ -148,7 +165,7 @@ def _trace_comparison(c):
   title = f'{c.model}, {len(trace)} requests (load average {load[0]:.1f})'
   print('plot:', serving.plot([r for r in rows if 'tokens_per_s' in r], str(out / 'serve.png'),
                               title))
-  clean = [{k: v for k, v in r.items() if k != 'outputs'} for r in rows]
+  clean = [{k: v for k, v in r.items() if k != 'outputs'} for r in rows + ttft_rows]
   (out / 'results.json').write_text(json.dumps(
       dict(config=c.to_dict(), rows=clean, ratios=ratios, load_average=load), indent=1,
       default=lambda x: x.item() if isinstance(x, np.generic) else str(x)))

@@ -61,6 +61,9 @@ class SpecStats:
     reached_G: per draft position, how often a round reached it (all before it accepted).
     accepted_G: per draft position, how often it was accepted.
     beta_sum_G: per draft position, the sum of 1 - TV(p, q) over the rounds that reached it.
+    kl_sum_G: per draft position, the sum over reached rounds of KL(emitted law || p), the
+      emitted law computed from p and q (`speculative_core.emitted_distribution`); 0 up to
+      float rounding when the verification is exact. None where not measured.
   """
 
   gamma: int
@@ -69,6 +72,7 @@ class SpecStats:
   reached_G: np.ndarray
   accepted_G: np.ndarray
   beta_sum_G: np.ndarray
+  kl_sum_G: Optional[np.ndarray] = None
 
   @property
   def acceptance_by_position(self) -> np.ndarray:
@@ -83,6 +87,13 @@ class SpecStats:
   def alpha_tv(self) -> float:
     """The same estimated from the distributions: mean of 1 - TV(p, q) at reached positions."""
     return float(self.beta_sum_G.sum() / max(self.reached_G.sum(), 1))
+
+  @property
+  def kl_exact(self) -> float:
+    """Mean KL(emitted law || target law) over reached positions (nan when not measured)."""
+    if self.kl_sum_G is None:
+      return float('nan')
+    return float(self.kl_sum_G.sum() / max(self.reached_G.sum(), 1))
 
   @property
   def tokens_per_pass(self) -> float:
@@ -104,7 +115,7 @@ class SpecStats:
                 tokens_per_pass=self.tokens_per_pass,
                 expected_tokens_per_pass=self.expected_tokens_per_pass,
                 passes_per_token=self.passes_per_token, rounds=self.rounds,
-                tokens=self.tokens,
+                tokens=self.tokens, kl_exact=self.kl_exact,
                 acceptance_by_position=[float(a) for a in self.acceptance_by_position])
 
 
@@ -202,6 +213,8 @@ def _round(tgraph, tstate, dgraph, dstate, gamma, params, state):
   # (The uniforms and final key are per round start gen_B: a key is reused only by a later
   # round at the same output position, whose history never depended on it.)
 
+  kl_BG = speculative_core.kl_divergence(
+      speculative_core.emitted_distribution(p_BXV[:, :gamma], q_BGV), p_BXV[:, :gamma])
   live_B = ~done_B
   num_new_B = num_acc_B + 1
   full_B = num_acc_B == gamma
@@ -227,7 +240,8 @@ def _round(tgraph, tstate, dgraph, dstate, gamma, params, state):
   accepted_BG = (jnp.arange(gamma)[None] < num_acc_B[:, None]) & live_B[:, None]
   stats = dict(rounds=jnp.sum(live_B), tokens=jnp.sum(jnp.where(live_B, num_new_B, 0)),
                reached_G=jnp.sum(reached_BG, 0), accepted_G=jnp.sum(accepted_BG, 0),
-               beta_sum_G=jnp.sum(jnp.where(reached_BG, beta_BG, 0.0), 0))
+               beta_sum_G=jnp.sum(jnp.where(reached_BG, beta_BG, 0.0), 0),
+               kl_sum_G=jnp.sum(jnp.where(reached_BG, kl_BG, 0.0), 0))
   return new_state, stats
 
 
@@ -315,6 +329,7 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
   spec = SpecStats(gamma=gamma, rounds=int(totals['rounds']), tokens=int(totals['tokens']),
                    reached_G=np.asarray(totals['reached_G']),
                    accepted_G=np.asarray(totals['accepted_G']),
-                   beta_sum_G=np.asarray(totals['beta_sum_G']))
+                   beta_sum_G=np.asarray(totals['beta_sum_G']),
+                   kl_sum_G=np.asarray(totals['kl_sum_G']))
   tokens = jnp.concatenate([prompt_BT, jnp.asarray(out_BN)], axis=1)
   return (tokens, spec, state) if return_state else (tokens, spec)

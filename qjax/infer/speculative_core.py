@@ -83,3 +83,29 @@ def verify(p_logp_BXV: jax.Array, q_logp_BGV: jax.Array, draft_BG: jax.Array,
                         final_B[:, None].astype(draft_BG.dtype), tokens_BX)
   beta_BG = acceptance_prob(p_logp_BXV[:, :g], q_logp_BGV)
   return num_accepted_B, tokens_BX, beta_BG
+
+
+def emitted_distribution(p_logp_BGV: jax.Array, q_logp_BGV: jax.Array) -> jax.Array:
+  """The law of the token `verify` emits at a reached position, computed from p and q.
+
+  A draft token d ~ q is kept with probability min(1, p(d) / q(d)); otherwise (probability
+  1 - beta) the token comes from norm(max(0, p - q)). The emitted law is therefore
+  min(p, q) + (1 - beta) * norm(max(0, p - q)), which is p by algebra; evaluated in float
+  it measures how far the implementation's arithmetic is from that identity.
+
+  Returns:
+    probs_BGV (float32), with `verify`'s fallback to p where the residual has no mass.
+  """
+  p_BGV, q_BGV = jnp.exp(p_logp_BGV), jnp.exp(q_logp_BGV)
+  kept_BGV = jnp.minimum(p_BGV, q_BGV)
+  residual_BGV = jnp.maximum(p_BGV - q_BGV, 0.0)
+  mass_BG1 = jnp.sum(residual_BGV, -1, keepdims=True)
+  residual_BGV = jnp.where(mass_BG1 > 0, residual_BGV / jnp.where(mass_BG1 > 0, mass_BG1, 1),
+                           p_BGV)
+  return kept_BGV + (1 - jnp.sum(kept_BGV, -1, keepdims=True)) * residual_BGV
+
+
+def kl_divergence(probs_BGV: jax.Array, logp_BGV: jax.Array) -> jax.Array:
+  """KL(probs || exp(logp)) per position; inf where probs has mass off logp's support."""
+  log_ratio_BGV = jnp.log(jnp.where(probs_BGV > 0, probs_BGV, 1.0)) - logp_BGV
+  return jnp.sum(jnp.where(probs_BGV > 0, probs_BGV * log_ratio_BGV, 0.0), axis=-1)

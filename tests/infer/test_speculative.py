@@ -200,3 +200,18 @@ def test_bad_inputs_raise_clear_errors(target, other):
   with pytest.raises(ValueError, match='different ids'):
     speculative_generate(target, other, prompt, 2, target_tokenizer=Tok({'a': 0, 'b': 1}),
                          draft_tokenizer=Tok({'a': 1, 'b': 0}))
+
+
+def test_emitted_law_is_the_target_law_and_a_wrong_residual_is_caught():
+  from qjax.infer.speculative_core import emitted_distribution, kl_divergence
+  p = jnp.log(jnp.asarray([[[0.5, 0.2, 0.15, 0.1, 0.05, 0, 0, 0]]], jnp.float32))
+  q = jnp.log(jnp.asarray([[[0.2, 0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0]]], jnp.float32))
+  law = emitted_distribution(p, q)
+  np.testing.assert_allclose(np.asarray(law), np.exp(np.asarray(p)), atol=1e-6)
+  assert abs(float(kl_divergence(law, p)[0, 0])) < 1e-6
+  # Drawing the residual from max(0, p - q) without the (1 - beta) weight would not be p.
+  wrong = jnp.minimum(jnp.exp(p), jnp.exp(q)) + jnp.maximum(jnp.exp(p) - jnp.exp(q), 0) / 0.35
+  wrong = wrong / wrong.sum(-1, keepdims=True)
+  assert float(kl_divergence(wrong, p)[0, 0]) > 0.01
+  # Mass where p has none is an infinite KL.
+  assert np.isinf(float(kl_divergence(jnp.exp(q), p)[0, 0]))
