@@ -116,7 +116,8 @@ tok, cache = greedy_step(model, jnp.zeros((1, 3), jnp.int32), init_cache(model.c
 # What interpreter shutdown does: the module's globals become None while the tables (held
 # here, as a dying model's state can hold them) are still alive; then the model dies.
 shape = tok.shape
-tables = [v for k, v in vars(generate).items() if isinstance(v, dict) and v and k[:2] != '__']
+tables = [v for k, v in vars(generate).items()  # the id-keyed weakref tables
+          if isinstance(v, dict) and v and k[:2] != '__' and all(type(i) is int for i in v)]
 for name in list(vars(generate)):
   if not name.startswith('__'):
     setattr(generate, name, None)
