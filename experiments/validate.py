@@ -195,10 +195,13 @@ def main(argv):
       qmodel, report, calibration = apply_method(
           model, policy, p.method, calib,
           {'source': f'wikitext2_valid after the evaluated windows, {len(calib)} x '
-                     f'{calib.shape[1]} tokens', 'seed': 0, 'batch_size': c.calib.batch_size})
+                     f'{calib.shape[1]} tokens', 'seed': 0, 'batch_size': c.calib.batch_size,
+           # int8-only storage (bitsandbytes without fp16 weights): the bytes the planner
+           # predicts from the policy; the trigger rate does not depend on it.
+           **({'outlier_weights': 'int8'} if p.method == 'llm_int8' else {})})
     if p.method == 'llm_int8':
       layers = calibration.get('layers', {})
-      extra['llm_int8'] = {'feature_fallback_share_per_layer': {
+      extra['llm_int8'] = {'calibration_feature_fallback_share_per_layer': {
           k: 1 - v['int8_fraction'] for k, v in layers.items()},
           'int8_fraction': calibration['llm_int8']['int8_fraction']}
     record_extra = {k: v for k, v in extra.items() if k != 'mixed_precision'} | (

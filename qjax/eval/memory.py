@@ -8,7 +8,8 @@ Prediction (no model is built; `nnx.eval_shape` gives the Einsum shapes):
                same count and dtype); unquantized Einsums and every other parameter (norms)
                at the parameter dtype;
   KV cache     2 * L * B * S * K * H * itemsize (seed 000, sec. 4.2) for a float cache; codes
-               + one scale per token and kv head for a quantized one (`qjax.nn.init_cache`);
+               + one scale per token and kv head for a quantized one; a sliding-window layer
+               holds window + ring slack slots where shorter (`qjax.nn.init_cache`'s ring);
   activations  the largest live set of one step: either a stated estimate
                (`activation_bytes`, plus a cache copy XLA:CPU makes in a batch-1 decode step)
                or, with `compiled=True`, exactly what XLA allocates: the step compiled from
@@ -36,7 +37,7 @@ from qjax.core import QFormat, packing
 from qjax.core.numerics import scale_shape
 from qjax.nn import (QuantPolicy, Transformer, TransformerConfig, einsum_layers, init_cache,
                      kv_format, quantize_model, resolve_format, with_kv_format)
-from qjax.nn.kvcache import check_format
+from qjax.nn.kvcache import DEFAULT_RING_SLACK, check_format
 
 GiB = 2 ** 30
 
@@ -117,15 +118,25 @@ def weight_bytes(cfg: TransformerConfig, policy: Optional[QuantPolicy] = None,
 
 
 def kv_bytes(cfg: TransformerConfig, batch: int, context: int,
-             fmt: Optional[QFormat | str] = None) -> int:
-  """KV-cache bytes for `batch` sequences of `context` tokens (float or a KV format)."""
+             fmt: Optional[QFormat | str] = None, *, ring: bool = True,
+             ring_slack: int = DEFAULT_RING_SLACK) -> int:
+  """KV-cache bytes for `batch` sequences of `context` tokens (float or a KV format).
+
+  As `qjax.nn.init_cache` lays it out: every layer K and V of `context` slots, except that a
+  sliding-window layer keeps a ring of window + `ring_slack` slots where that is shorter
+  (`ring=True`, init_cache's default); + the int32 lengths.
+  """
   fmt = check_format(fmt, cfg.head_dim)
-  shape = (batch, context, cfg.num_kv_heads, cfg.head_dim)
-  if fmt is None:
-    per = math.prod(shape) * jnp.dtype(cfg.dtype).itemsize
-  else:
-    per = qformat_bytes(shape, fmt)['total']
-  return 2 * cfg.num_layers * per + 4 * batch  # + the int32 lengths
+  total = 0
+  for layer in range(cfg.num_layers):
+    w = cfg.window(layer) if ring else None
+    slots = w + ring_slack if w is not None and w + ring_slack < context else context
+    shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    if fmt is None:
+      total += 2 * math.prod(shape) * jnp.dtype(cfg.dtype).itemsize
+    else:
+      total += 2 * qformat_bytes(shape, fmt)['total']
+  return total + 4 * batch
 
 
 def activation_bytes(cfg: TransformerConfig, batch: int, tokens: int, context: int) -> int:

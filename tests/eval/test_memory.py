@@ -98,3 +98,15 @@ def test_compiled_max_context_fits_and_one_more_does_not():
                           compiled=True).total > budget
   with pytest.raises(ValueError, match='pass the policy instead of formats'):
     memory.predict(CFG, batch=1, context=8, compiled=True, formats={})
+
+
+def test_kv_prediction_follows_the_sliding_window_ring():
+  cfg = TransformerConfig.tiny(max_len=256, num_layers=3, sliding_window=16, global_every=3)
+  # Below / above window + slack (16 + 64): rings only where shorter than the context.
+  for ctx, fmt in ((40, None), (200, None), (200, 'int8')):
+    got = memory.kv_bytes(cfg, 2, ctx, fmt)
+    assert got == memory._device_bytes(init_cache(cfg, 2, ctx, fmt=fmt)), (ctx, fmt)
+  assert memory.kv_bytes(cfg, 2, 40) == memory.kv_bytes(cfg, 2, 40, ring=False)
+  # 2 of 3 layers hold 80 slots instead of 200: golden from the layout.
+  assert memory.kv_bytes(cfg, 1, 200, ring=False) - memory.kv_bytes(cfg, 1, 200) == (
+      2 * 2 * (200 - 80) * cfg.num_kv_heads * cfg.head_dim * 4)
