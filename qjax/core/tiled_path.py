@@ -10,6 +10,7 @@ transposed head layout ('BTD,VD->BTV') by blocks of V.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -186,8 +187,14 @@ def _fields(arr, per, nf, kept_shape):
   return [arr[..., j::per].reshape(kq, -1) for j in range(per)]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 5, 6))
 def tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
-  """`qeinsum` on CPU as a loop over row tiles of the weight (module docstring)."""
+  """`qeinsum` on CPU as a loop over row tiles of the weight (module docstring).
+
+  Jitted as a whole (the spec, activation kind and dtype static): called eagerly, the row loop
+  would otherwise be traced and compiled anew on every call (a fresh loop body each time).
+  Returns None (decided from shapes alone) when no tile plan fits.
+  """
   plan = plan_tiles(xs, ws, out, x.shape, w, act_kind)
   if plan is None:
     return None
