@@ -46,7 +46,9 @@ SYSTEM_PROMPT = (
     'notes or commentary, and never break character. If the passage is a dialogue, continue '
     'with the next speaker, and mark each speaker with their name in capitals followed by a '
     'colon, as the plays of the period are printed. Keep every line shorter than eighty '
-    'characters and end on a complete sentence.')
+    'characters and end on a complete sentence. When the passage is prose, continue in the '
+    'prose of the same period, with the punctuation and the capital letters of the original '
+    'edition, and keep the archaic forms of the verbs and the pronouns.')
 
 
 def get_config() -> ml_collections.ConfigDict:

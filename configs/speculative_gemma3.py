@@ -76,6 +76,7 @@ def idle(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict(c.to_dict())
   c.prompts_per_corpus, c.prompt_len, c.max_tokens = 1, 16, 8
   c.kl_rows, c.calib_windows = 0, 2
-  c.time_budget_s = 600.0  # then the rest is left for a rerun (it resumes)
-  c.out_dir = 'results/speculative_gemma3_idle'
+  c.time_budget_s = c.time_budget_s or 600.0  # then the rest is left for a rerun (resumes)
+  if c.out_dir == get_config().out_dir:  # an --config.out_dir given on the command line wins
+    c.out_dir = 'results/speculative_gemma3_idle'
   return c
