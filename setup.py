@@ -33,7 +33,7 @@ setup(
         # The independent reference (HF transformers on a CPU torch) for `make test-reference`.
         'reference': ['torch==2.13.0', 'transformers>=5.0', 'accelerate>=1.0'],
         # benchmarks/peers.py: google/qwix quantizing the same float Gemma.
-        'bench': ['qwix'],
+        'bench': ['qwix>=0.1.8'],
         # Accelerators: the jax builds for NVIDIA GPUs and Cloud TPUs.
         'cuda': ['jax[cuda12]'],
         'tpu': ['jax[tpu]'],

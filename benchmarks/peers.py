@@ -1,6 +1,7 @@
-"""Gemma 3 270M side by side: qjax f32 / bf16 / int8 / int4 / W8A8 and HF transformers.
+"""Gemma 3 270M side by side: qjax f32 / bf16 / int8 / int4 / W8A8, google/qwix, HF transformers.
 
-    .venv/bin/python -m benchmarks.peers [--rows=qjax-f32,qjax-int4] [--quick] [--out=results/peers]
+    .venv/bin/python -m benchmarks.peers [--rows=qjax-f32,qjax-int4] [--quick|--smoke]
+        [--out=results/peers]
 
 One run, one table: every row runs in its own subprocess (so its peak RSS is its own), on the
 same prompts: prefill = one forward of 512 Tiny Shakespeare tokens (all logits, as HF's
@@ -11,9 +12,17 @@ ppl and ratios to qjax f32. Two prefill columns: all logits (the protocol above)
 logits of the last position only (what `greedy_step` and HF's generate compute). Peak RSS
 "serving" is taken after load, prefill and decode, before the all-logits passes (a 512 x 262k
 f32 logits buffer is 512 MiB by itself); quantized qjax rows are quantized while loading
-(`load_gemma3_270m(policy=)`), never holding the float model; writes <out>.json and <out>.png. `--quick`: prefill 128, 16 steps,
-1 window (a smoke run, ~5 min). Expected run time ~15-25 min for all rows on 2 cores.
-HF rows run when `transformers` and `torch` import (`pip install -e .[reference]`).
+(`load_gemma3_270m(policy=)`), never holding the float model; writes <out>.json and <out>.png.
+
+Rows: qjax (float32, bfloat16, int8 / int4 g128 with every weight or with the embedding/head
+float, W8A8); google/qwix PTQ int8 / int4 tile 128 of the same float Gemma, embedding/head
+float (`_qwix_model` says why qwix runs over plain-einsum projections, and why the tied head
+stays float), when `qwix` imports (`pip install -e '.[bench]'`); HF transformers on CPU torch
+fp32 / bf16 when `transformers` and `torch` import (`pip install -e '.[reference]'`).
+
+`--quick`: prefill 128, 16 steps, 1 window. `--smoke`: prefill 32, a 16-token prompt, 2
+steps, 1 window: proves every row runs (measured under load: SMOKE_TIME). The full protocol
+on 2 idle cores: IDLE_TIME.
 
 Timing needs an idle machine: the script prints the load average before and after each row;
 compare rows only within one run.
@@ -31,7 +40,7 @@ import sys
 import time
 
 ROWS = ('qjax-f32', 'qjax-bf16', 'qjax-int8', 'qjax-int8-headf', 'qjax-int4', 'qjax-int4-headf',
-        'qjax-w8a8', 'hf-fp32', 'hf-bf16')
+        'qjax-w8a8', 'qwix-int8-headf', 'qwix-int4-headf', 'hf-fp32', 'hf-bf16')
 DESCRIPTIONS = {
     'qjax-f32': 'qjax, float32 params',
     'qjax-bf16': 'qjax, bfloat16 params',
@@ -40,6 +49,8 @@ DESCRIPTIONS = {
     'qjax-int4': 'qjax int4 g128 (RTN), every weight incl. the tied head',
     'qjax-int4-headf': 'qjax int4 g128 (RTN), embedding/head float',
     'qjax-w8a8': 'qjax W8A8 (int8 weights, dynamic per-token int8 activations), head int8 w-only',
+    'qwix-int8-headf': 'google/qwix PTQ int8 per-channel weight-only, embedding/head float',
+    'qwix-int4-headf': 'google/qwix PTQ int4 tile 128 weight-only, embedding/head float',
     'hf-fp32': 'HF transformers (torch CPU), fp32',
     'hf-bf16': 'HF transformers (torch CPU), bf16',
 }
@@ -49,14 +60,14 @@ def _peak_rss_mib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _data(tok, prefill: int, windows: int):
+def _data(tok, prefill: int, windows: int, prompt: int = 128):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from qjax import data as qdata  # pylint: disable=g-import-not-at-top
   from qjax.pipeline.gemma import bos_windows  # pylint: disable=g-import-not-at-top
   bos = tok.encode('').ids[0] if tok.encode('').ids else 2
   ts = np.asarray(tok.encode(qdata.corpus('tinyshakespeare')[:200_000]).ids, np.int32)
   wt2 = np.asarray(tok.encode(qdata.corpus('wikitext2_valid')[:100_000]).ids, np.int32)
-  return ts[:prefill], ts[prefill:prefill + 8 * 128].reshape(8, 128), bos_windows(
+  return ts[:prefill], ts[prefill:prefill + 8 * prompt].reshape(8, prompt), bos_windows(
       wt2, bos, 512, windows)
 
 
@@ -101,10 +112,10 @@ def _run_qjax(row: str, a) -> dict:
   rss_loaded = _peak_rss_mib()
   cfg = model.config
   if tok is None:
-    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, a.prefill + 8 * 128)
-    prefill_ids, prompts, windows = ids[:a.prefill], ids[a.prefill:].reshape(8, 128), None
+    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, a.prefill + 8 * a.prompt)
+    prefill_ids, prompts, windows = ids[:a.prefill], ids[a.prefill:].reshape(8, a.prompt), None
   else:
-    prefill_ids, prompts, windows = _data(tok, a.prefill, a.windows)
+    prefill_ids, prompts, windows = _data(tok, a.prefill, a.windows, a.prompt)
 
   def prefill_once(step):
     cache = kvcache.init_cache(cfg, 1, a.prefill + 1)
@@ -118,7 +129,7 @@ def _run_qjax(row: str, a) -> dict:
 
   def decode(batch: int, steps: int) -> float:
     # One cache length for the warm-up and the timed run: the step compiles once per shape.
-    cache = kvcache.init_cache(cfg, batch, 128 + a.steps + 1)
+    cache = kvcache.init_cache(cfg, batch, a.prompt + a.steps + 1)
     tok_B, cache = generate.greedy_step(model, jnp.asarray(prompts[:batch]), cache)
     jax.block_until_ready(tok_B)
     t = time.perf_counter()
@@ -145,6 +156,98 @@ def _run_qjax(row: str, a) -> dict:
   return out
 
 
+def _qwix_model(row: str, model, prompt_len: int):
+  """qwix PTQ of the float Gemma: every projection weight-only, the embedding/head float.
+
+  qwix cannot wrap qjax's `Einsum` as it is: PTQ replaces the weight Variable by its own
+  `WithAux` array, which the layer reads with `get_value()`. So in this process each Einsum
+  becomes a plain NNX projection (`jnp.einsum(spec, x, self.w[...])`, what qwix intercepts)
+  over the same weights, the rest of the model (norms, RoPE, attention, KV cache) unchanged.
+  The tied embedding stays float: one table read by a gather and by the head's einsum, which
+  qwix's PTQ (it quantizes what an einsum reads) cannot serve to the gather.
+  """
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import qwix  # pylint: disable=g-import-not-at-top
+  from qjax.nn import layers  # pylint: disable=g-import-not-at-top
+
+  def plain_call(self, x, out_dtype=None):
+    out = jnp.einsum(self.spec, x, self.w[...], preferred_element_type=jnp.float32)
+    return out.astype(out_dtype or x.dtype)
+  layers.Einsum.__call__ = plain_call
+  bits, tile = ('int4', 128) if 'int4' in row else ('int8', None)
+  rules = [qwix.QtRule(module_path='layers/.*', weight_qtype=bits, tile_size=tile)]
+  return qwix.quantize_model(model, qwix.PtqProvider(rules),
+                             jnp.zeros((1, prompt_len), jnp.int32))
+
+
+def _run_qwix(row: str, a) -> dict:
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from qjax import eval as qeval  # pylint: disable=g-import-not-at-top
+  from qjax.checkpoints import load_gemma3_270m  # pylint: disable=g-import-not-at-top
+  from qjax.nn import kvcache  # pylint: disable=g-import-not-at-top
+
+  if a.synthetic:
+    from qjax.nn import Transformer, TransformerConfig  # pylint: disable=g-import-not-at-top
+    fmodel, tok = Transformer(TransformerConfig.gemma3_270m(), rngs=nnx.Rngs(0)), None
+  else:
+    fmodel, tok, _ = load_gemma3_270m()
+  model = _qwix_model(row, fmodel, a.prompt)
+  del fmodel  # qwix quantized a clone; the float projections go with the original
+  graphdef, state = nnx.split(model)
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  rss_loaded = _peak_rss_mib()
+  cfg = model.config
+  if tok is None:
+    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, a.prefill + 8 * a.prompt)
+    prefill_ids, prompts, windows = ids[:a.prefill], ids[a.prefill:].reshape(8, a.prompt), None
+  else:
+    prefill_ids, prompts, windows = _data(tok, a.prefill, a.windows, a.prompt)
+
+  # The qwix model's own __call__ (qwix intercepts it), one jitted step per shape.
+  @functools.partial(jax.jit, donate_argnums=2)
+  def step(state, tokens_BT, cache):
+    logits_BTV, cache = nnx.merge(graphdef, state)(tokens_BT, cache=cache)
+    return logits_BTV, jnp.argmax(logits_BTV[:, -1], -1).astype(jnp.int32), cache
+
+  def prefill_once():
+    cache = kvcache.init_cache(cfg, 1, a.prefill + 1)
+    t = time.perf_counter()
+    out = step(state, jnp.asarray(prefill_ids[None]), cache)
+    jax.block_until_ready(out[1])
+    return time.perf_counter() - t
+
+  prefill_once()
+  prefill_s = statistics.median(prefill_once() for _ in range(3))
+
+  def decode(batch: int, steps: int) -> float:
+    cache = kvcache.init_cache(cfg, batch, a.prompt + a.steps + 1)
+    _, tok_B, cache = step(state, jnp.asarray(prompts[:batch]), cache)
+    jax.block_until_ready(tok_B)
+    t = time.perf_counter()
+    for _ in range(steps):
+      _, tok_B, cache = step(state, tok_B[:, None], cache)
+    jax.block_until_ready(tok_B)
+    return time.perf_counter() - t
+
+  # No last-position-only head here: both prefill columns are the all-logits forward.
+  out = {'weight_bytes': weight_bytes, 'prefill_tok_s': a.prefill / prefill_s,
+         'prefill_serve_tok_s': a.prefill / prefill_s, 'rss_loaded_mib': rss_loaded}
+  for b in (1, 8):
+    decode(b, 2)
+    s = decode(b, a.steps)
+    out[f'decode_b{b}_tok_s'] = b * a.steps / s
+    out[f'decode_b{b}_ms_per_step'] = 1e3 * s / a.steps
+  out['peak_rss_serving_mib'] = _peak_rss_mib()
+  out['ppl_wikitext2'] = (float('nan') if windows is None else
+                          qeval.perplexity(model, windows, 1)['ppl'])
+  out['backend'] = jax.default_backend()
+  return out
+
+
 def _run_hf(row: str, a) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
@@ -156,7 +259,7 @@ def _run_hf(row: str, a) -> dict:
   model = transformers.AutoModelForCausalLM.from_pretrained(
       os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype).eval()
   _, tok, _ = load_gemma3_270m()  # the same ids as the qjax rows
-  prefill_ids, prompts, windows = _data(tok, a.prefill, a.windows)
+  prefill_ids, prompts, windows = _data(tok, a.prefill, a.windows, a.prompt)
   weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
   with torch.no_grad():
     ids = torch.as_tensor(prefill_ids[None], dtype=torch.long)
@@ -200,10 +303,19 @@ def _run_hf(row: str, a) -> dict:
 
 def _child(row: str, a) -> None:
   t = time.perf_counter()
-  out = _run_hf(row, a) if row.startswith('hf-') else _run_qjax(row, a)
+  run = {'hf': _run_hf, 'qwix': _run_qwix}.get(row.split('-')[0], _run_qjax)
+  out = run(row, a)
   out.update(row=row, description=DESCRIPTIONS[row], peak_rss_mib=_peak_rss_mib(),
              seconds=time.perf_counter() - t)
   print('PEERS_JSON ' + json.dumps(out), flush=True)
+
+
+def _importable(name: str) -> bool:
+  try:
+    __import__(name)
+    return True
+  except ImportError:
+    return False
 
 
 def _hf_importable() -> bool:
@@ -260,12 +372,17 @@ def main():
   ap.add_argument('--prefill', type=int, default=512)
   ap.add_argument('--steps', type=int, default=64)
   ap.add_argument('--windows', type=int, default=2)
+  ap.add_argument('--prompt', type=int, default=128, help='decode prompt length')
+  ap.add_argument('--smoke', action='store_true',
+                  help='prove every row runs: prefill 32, prompt 16, 2 steps, 1 window')
   ap.add_argument('--synthetic', action='store_true',
                   help="qjax rows only: Gemma 3 270M's shapes with random weights (no GGUF "
                        'or tokenizer needed, e.g. on an accelerator machine); ppl is nan')
   a = ap.parse_args()
   if a.quick:
     a.prefill, a.steps, a.windows = 128, 16, 1
+  if a.smoke:
+    a.prefill, a.prompt, a.steps, a.windows = 32, 16, 2, 1
   if a.child:
     _child(a.child, a)
     return
@@ -274,7 +391,12 @@ def main():
   if bad:
     raise SystemExit(f'peers: unknown rows {bad}; choose from {ROWS}.')
   if a.synthetic:
-    rows = [r for r in rows if r.startswith('qjax-')]
+    rows = [r for r in rows if not r.startswith('hf-')]
+  if not _importable('qwix'):
+    skipped = [r for r in rows if r.startswith('qwix-')]
+    rows = [r for r in rows if not r.startswith('qwix-')]
+    if skipped:
+      print(f"peers: qwix not importable, leaving out {skipped} (pip install -e '.[bench]').")
   if not _hf_importable():
     skipped = [r for r in rows if r.startswith('hf-')]
     rows = [r for r in rows if not r.startswith('hf-')]
@@ -285,8 +407,8 @@ def main():
   for row in rows:
     load0 = os.getloadavg()[0]
     cmd = [sys.executable, '-m', 'benchmarks.peers', f'--child={row}', f'--prefill={a.prefill}',
-           f'--steps={a.steps}', f'--windows={a.windows}'] + (['--synthetic'] if a.synthetic
-                                                               else [])
+           f'--steps={a.steps}', f'--windows={a.windows}', f'--prompt={a.prompt}'] + (
+               ['--synthetic'] if a.synthetic else [])
     p = subprocess.run(cmd, capture_output=True, text=True, check=False)
     line = next((l for l in p.stdout.splitlines() if l.startswith('PEERS_JSON ')), None)
     if line is None:
