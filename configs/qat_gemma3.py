@@ -12,23 +12,27 @@ Data: WikiText-2 valid (vendored) with the PTQ sweep's protocol: the first
   `data.eval_windows` windows (BOS + 511 scored tokens) are scored; training windows of
   `qat.seq_len` tokens (BOS first) and GPTQ's calibration windows come from the tokens after
   them, never scored.
-Memory: one Gemma process: the float teacher (f32, its logits computed in their own jitted
-  call), the student's f32 weights (its embedding shares the teacher's buffer), AdamW states
-  for the ~100M non-embedding weights; peak RSS while training is measured (VmHWM reset
-  before the first step). A first run at batch 2 with the teacher inside the training step
-  peaked at 14.3 GiB and was stopped (docs/readme/training.md); batch 1 is the default.
+Memory: one Gemma process: the float teacher (f32; its last hidden states computed in their
+  own jitted call), the student's f32 weights (its embedding shares the teacher's buffer),
+  AdamW states for the ~100M non-embedding weights. The step (`qjax.train.lean_step`)
+  donates the trained weights and optimizer state, and the loss forms [chunk, V] logits
+  `qat.loss_chunk` positions at a time (`chunked_distill_loss`); peak RSS while training is
+  measured (VmHWM reset before the first step).
 
 Command (`pip install -e .[gemma]`):
-  XLA_FLAGS= .venv/bin/python -m experiments.qat_gemma3 --config=configs/qat_gemma3.py
+  XLA_FLAGS= .venv/bin/python -m experiments.qat_gemma3 --config=configs/qat_gemma3.py \
+      --config.qat.steps=20 --config.out_dir=results/qat_gemma3_rtn20 \
+      --config.only=float,rtn-int4-g128,qat+distill-20steps-from-rtn-int4-g128,float-ft-20steps
   (--config=configs/qat_gemma3.py:tiny runs the same points on a random tiny model in ~1 min;
    --config.only=<point names> runs some points; reruns skip finished points)
-Expected run time: float and PTQ points ~1 min each (RTN) / ~13 min (GPTQ) under load; QAT
-  steps ~29 s at batch 2 x 128 tokens (measured before the run was stopped).
+Expected run time (measured under load, load average 10-25 on 2 shared cores): 35 min for
+  the command above: load + float ppl ~1.5 min, RTN start ~2 min, QAT 20 steps 23 min
+  (30-58 s a step, the first 190 s with the compile), float fine-tune 20 steps 6 min (13 s a
+  step); GPTQ's quantization takes > 20 min under that load.
 Expected result (measured under load, 4 windows of WikiText-2 valid): float 29.45, RTN int4
-  g128 67.67, GPTQ 40.78. The QAT and float fine-tune points did NOT fit in 6 GiB of RSS on
-  the 2-core, 24 GiB machine (14.3 GiB at batch 2 with the GPTQ start; > 6 GiB in the first
-  step at batch 1 with the RTN start, with and without remat): see docs/readme/training.md.
-  They run to the end on the tiny variant.
+  g128 67.72, QAT + distillation (20 steps) 54.70 (recovered 0.34 of the gap; 0.27 against
+  the fine-tuned float model, 20.37), peak RSS 8.2 GB (VmHWM; /usr/bin/time max RSS 7.1 GB);
+  GPTQ's start 40.78 (an earlier run). See docs/readme/training.md.
 """
 
 import ml_collections
