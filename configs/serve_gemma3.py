@@ -31,6 +31,9 @@ Measured (small mode, under load: load average 17, 2026-12-02): continuous / sta
   throughput 1.68x; TTFT of system-prompt requests 2.52x lower with prefix caching, outputs
   identical; int8 / int4 fit 4.0x / 7.75x the float32 cache's longest requests; 9 min, peak
   RSS 3.0 GB; HF row not run (torch not installed in this venv).
+Measured (quick mode, first version: max_batch 8, outputs 1-48, with the HF row; under load,
+  load average 8-12): continuous / static 1.09x; prefix-caching TTFT 2.35x on the
+  unsaturated trace; HF generate 1.12 tokens/s vs 3.97 for static qjax; 13 min; RSS 4.5 GB.
 Expected result: continuous >= 2x static throughput (static runs every batch to its longest
   output); system-prompt requests' TTFT several times lower with prefix caching, outputs
   identical; int8 / int4 caches fit ~3.9x / ~7.8x the sequences of the float32 cache (~2x /
