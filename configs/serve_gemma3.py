@@ -102,6 +102,9 @@ def quick(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   # for 16 requests keep a queue, which continuous batching refills and static cannot.
   c.engine = dict(max_batch=4, page_size=16, num_pages=1 + 4 * 13, chunk_size=32,
                   max_len=224, ring=False)
-  c.variants = 'continuous,static,prefix'  # add ',hf' for the HF generate row (+5 min)
-  c.out_dir = 'results/serve_gemma3_quick'
+  default = get_config()  # --config.variants / --config.out_dir given on the command line win
+  if c.variants == default.variants:
+    c.variants = 'continuous,static,prefix'  # pass ...,hf for the HF generate row (+2-5 min)
+  if c.out_dir == default.out_dir:
+    c.out_dir = 'results/serve_gemma3_quick'
   return c
