@@ -142,15 +142,15 @@ def test_chunked_loss_and_gradient_equal_the_whole_loss(chunk):
   whole = lambda x: distill_loss(head(x), head(h), labels, alpha=0.4, temperature=2.0)
   chunked = lambda x: chunked_distill_loss(head, x, labels, chunk=chunk, teacher_logits=head,
                                            h_BTD=h, alpha=0.4, temperature=2.0)
-  (lw, aw), gw = jax.value_and_grad(whole, has_aux=True)(x)
-  (lc, ac), gc = jax.value_and_grad(chunked, has_aux=True)(x)
+  (lw, aw), gw = jax.jit(jax.value_and_grad(whole, has_aux=True))(x)
+  (lc, ac), gc = jax.jit(jax.value_and_grad(chunked, has_aux=True))(x)
   np.testing.assert_allclose(lc, lw, rtol=1e-6)
   np.testing.assert_allclose(ac['kl'], aw['kl'], rtol=1e-5)
   np.testing.assert_allclose(gc, gw, rtol=1e-5, atol=1e-7)
   # Without a teacher it is the label cross entropy.
   ce = optax.softmax_cross_entropy_with_integer_labels(head(x), labels).mean()
-  np.testing.assert_allclose(chunked_distill_loss(head, x, labels, chunk=chunk)[0], ce,
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+      jax.jit(lambda x: chunked_distill_loss(head, x, labels, chunk=chunk)[0])(x), ce, rtol=1e-6)
 
 
 def test_chunked_loss_bad_input_is_a_clear_value_error():
