@@ -91,11 +91,12 @@ def tree_sha256(root: str) -> dict[str, str]:
   return {rel: file_sha256(os.path.join(root, rel)) for rel in sorted(_files(root))}
 
 
-def _leaf_bytes(leaf) -> tuple[str, tuple[int, ...], bytes]:
+def _leaf_bytes(leaf) -> tuple[str, tuple[int, ...], np.ndarray]:
+  """dtype name, shape and the leaf's bytes as a uint8 view (no copy of a contiguous array)."""
   if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
     leaf = jax.random.key_data(leaf)
   a = np.ascontiguousarray(np.asarray(leaf))
-  return a.dtype.name, tuple(a.shape), a.tobytes()
+  return a.dtype.name, tuple(a.shape), a.reshape(-1).view(np.uint8)
 
 
 def check_tree_hashes(root: str, expected: dict[str, str], *, missing, changed, extra) -> None:
