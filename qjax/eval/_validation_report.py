@@ -230,7 +230,8 @@ def plot(reports: Sequence[dict], path: str) -> str:
   axes[2].set(ylabel='accuracy (95% CI)', title='tasks')
   for ax in axes:
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # a panel with nothing measured has no legend
+      ax.legend(fontsize=7)
   fig.tight_layout()
   os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
   fig.savefig(path, dpi=100)

@@ -50,20 +50,6 @@ class DecodeTest(parameterized.TestCase):
     np.testing.assert_allclose(jnp.concatenate(chunks, 1), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_eager_decode_matches_full_forward():
-  """Unjitted, a 3-token prefill and 2 decode steps (the jitted test covers every config)."""
-  cfg = TransformerConfig.tiny(**CONFIGS['gemma_like'])
-  model = Transformer(cfg, rngs=nnx.Rngs(0))
-  tokens = _tokens(1, 5)
-  logits, cache = model(tokens[:, :3], cache=init_cache(cfg, 1, 5))
-  chunks = [logits]
-  for i in (3, 4):
-    logits, cache = model(tokens[:, i:i + 1], cache=cache)
-    chunks.append(logits)
-  np.testing.assert_array_equal(cache.length, [5])
-  np.testing.assert_allclose(jnp.concatenate(chunks, 1), model(tokens), atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize('fmt', [None, 'int8'])
 def test_rows_at_different_lengths_decode_as_if_alone(fmt):
   """A ragged batch: each row keeps its own length, positions and mask."""
