@@ -65,6 +65,14 @@ def _peak_rss_mib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _inputs(tok, cfg, a):
+  """(prefill ids, 8 decode prompts, ppl windows): the corpora, or random ids without a tokenizer."""
+  if tok is None:
+    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, a.prefill + 8 * a.prompt)
+    return ids[:a.prefill], ids[a.prefill:].reshape(8, a.prompt), None
+  return _data(tok, a.prefill, a.windows, a.prompt)
+
+
 def _data(tok, prefill: int, windows: int, prompt: int = 128):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from qjax import data as qdata  # pylint: disable=g-import-not-at-top
@@ -116,11 +124,7 @@ def _run_qjax(row: str, a) -> dict:
                      for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, 'dtype'))
   rss_loaded = _peak_rss_mib()
   cfg = model.config
-  if tok is None:
-    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, a.prefill + 8 * a.prompt)
-    prefill_ids, prompts, windows = ids[:a.prefill], ids[a.prefill:].reshape(8, a.prompt), None
-  else:
-    prefill_ids, prompts, windows = _data(tok, a.prefill, a.windows, a.prompt)
+  prefill_ids, prompts, windows = _inputs(tok, cfg, a)
 
   def prefill_once(step):
     cache = kvcache.init_cache(cfg, 1, a.prefill + 1)
@@ -206,11 +210,7 @@ def _run_qwix(row: str, a) -> dict:
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
   rss_loaded = _peak_rss_mib()
   cfg = model.config
-  if tok is None:
-    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, a.prefill + 8 * a.prompt)
-    prefill_ids, prompts, windows = ids[:a.prefill], ids[a.prefill:].reshape(8, a.prompt), None
-  else:
-    prefill_ids, prompts, windows = _data(tok, a.prefill, a.windows, a.prompt)
+  prefill_ids, prompts, windows = _inputs(tok, cfg, a)
 
   # The qwix model's own __call__ (qwix intercepts it), one jitted step per shape.
   @functools.partial(jax.jit, donate_argnums=2)

@@ -35,6 +35,7 @@ from flax import nnx
 
 from qjax import checkpoints as qckpt
 from qjax import eval as qeval
+from qjax.eval import memory as qmemory
 from qjax import train as qtrain
 from qjax.algorithms import apply_method
 from qjax.nn import weight_bytes
@@ -54,36 +55,17 @@ COLUMNS = (('name', 'point'), ('kind', 'kind'), ('base_format', 'base'), ('rank'
 
 
 # ---- memory ---------------------------------------------------------------------------------
-def _status_kib(field: str) -> Optional[int]:
-  try:
-    with open('/proc/self/status') as f:
-      for line in f:
-        if line.startswith(field + ':'):
-          return int(line.split()[1])
-  except OSError:
-    return None
-  return None
+# The process's memory, read through qjax.eval.memory (Linux VmHWM / VmRSS, clear_refs).
+reset_peak_rss = qmemory.reset_peak_rss
 
 
-def reset_peak_rss() -> bool:
-  """Reset the process's peak RSS (Linux clear_refs 5); False where that is not possible."""
-  try:
-    with open('/proc/self/clear_refs', 'w') as f:
-      f.write('5')
-    return True
-  except OSError:
-    return False
-
-
-def peak_rss_mib() -> Optional[float]:
+def peak_rss_mib() -> float:
   """The process's peak resident set since start or the last `reset_peak_rss`, MiB."""
-  kib = _status_kib('VmHWM')
-  return None if kib is None else kib / 1024
+  return qmemory.peak_rss_bytes(since_reset=True) / 2**20
 
 
-def rss_mib() -> Optional[float]:
-  kib = _status_kib('VmRSS')
-  return None if kib is None else kib / 1024
+def rss_mib() -> float:
+  return qmemory.current_rss_bytes() / 2**20
 
 
 # ---- the data and the models a sweep shares -------------------------------------------------
