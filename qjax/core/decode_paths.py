@@ -72,7 +72,8 @@ def _kernel_kind(w: QArray) -> Optional[str]:
 
 
 def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype,
-                  max_rows: int = MAX_KERNEL_ROWS) -> Optional[jax.Array]:
+                  max_rows: int = MAX_KERNEL_ROWS,
+                  act: Optional[str] = None) -> Optional[jax.Array]:
   """`qeinsum` on the CPU kernel, or None when the kernel or this spec / layout cannot.
 
   Args:
@@ -81,6 +82,11 @@ def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype
     w: the quantized weight.
     out_dtype: result dtype.
     max_rows: use the kernel only up to this many activation rows.
+    act: None (weight-only numerics) or 'int8': the activations are quantized per row and
+      per weight group in the kernel and multiplied on integer (VNNI) dots, the numerics of
+      `qeinsum`'s 'int8' path (`tiled_path.quantize_rows`); None is returned where the group
+      length does not fit that kernel (a multiple of 4 rows in the (contracted..., kept...)
+      layout, of 64 / 128 values for an int8 / int4 head).
 
   Returns:
     The einsum result, or None (kernel unavailable, zero points, a code type other than
@@ -90,7 +96,7 @@ def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype
   if kind is None or not kernels.available():
     return None
   if head_axes(xs, ws, out):
-    return _kernel_head(xs, ws, out, x, w, kind, out_dtype, max_rows)
+    return _kernel_head(xs, ws, out, x, w, kind, out_dtype, max_rows, act)
   plan = tiled.plan_tiles(xs, ws, out, x.shape, w, None)
   if plan is None or plan.m > max_rows:
     return None
@@ -106,25 +112,34 @@ def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype
   else:
     padded = last
   s = s.reshape(s.shape[0], -1)
-  y2 = kernels.gemv(x2, w.data.reshape(k, -1), s, 'kn', kind)
+  if act is not None and (k // s.shape[0]) % 4:
+    return None
+  y2 = kernels.gemv(x2, w.data.reshape(k, -1), s, 'kn', kind, act=act)
   if padded != last:
     y2 = y2.reshape(y2.shape[0], -1, padded)[..., :last]
   return _finish(y2, x_only, m_shape, ws[a:], kept_shape, out, out_dtype)
 
 
-def _kernel_head(xs, ws, out, x, w: QArray, kind, out_dtype, max_rows):
+def _kernel_head(xs, ws, out, x, w: QArray, kind, out_dtype, max_rows, act=None):
   """The head layout (V, D) on the kernel's 'nk' form."""
   v, d = w.shape
   if kind == 'int4' and d % 2:
     return None  # a padded packed contraction axis: the kernel reads whole bytes
+  if act is not None and (d // w.scale.shape[1]) % (128 if kind == 'int4' else 64):
+    return None
   x2, x_only, m_shape = _rows(xs, x, ws[1])
   if x2.shape[0] > max_rows:
+    return None
+  if kind == 'int8' and act is None and x2.shape[0] == 1 and max_rows == MAX_KERNEL_ROWS:
+    # One row of an int8 head: the V blocks (`vblocked_einsum`) measured 7.6 ms against the
+    # float kernel's 29.8 (Gemma head, benchmarks/qdot_bench.py): widening int8 codes to f32
+    # is the kernel's bottleneck there. (path='kernel' still runs it.)
     return None
   sv, g = w.scale.shape
   s = w.scale.astype(jnp.float32)
   if sv != v:  # one scale for several rows: the kernel takes one scale row per weight row
     s = jnp.repeat(s, v // sv, axis=0)
-  y2 = kernels.gemv(x2, w.data, s, 'nk', kind)
+  y2 = kernels.gemv(x2, w.data, s, 'nk', kind, act=act)
   return _finish(y2, x_only, m_shape, ws[0], (v,), out, out_dtype)
 
 

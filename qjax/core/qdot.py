@@ -172,6 +172,10 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
     raise ValueError(f'qeinsum: path={path!r} cannot multiply {qt.name} weights; use '
                      f"path='{'fp8' if qt.is_float else 'int8'}' or 'dequant'.")
   if jax.default_backend() == 'cpu':
+    if path == 'int8':  # decode shapes: the same numerics on the kernel's integer dots
+      y = decode_paths.kernel_einsum(xs, ws, out, x, w, out_dtype, act='int8')
+      if y is not None:
+        return y
     y = tiled.tiled_einsum(xs, ws, out, x, w, 'int' if path == 'int8' else qt.kind, out_dtype)
     if y is not None:
       return y

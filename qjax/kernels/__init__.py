@@ -32,7 +32,10 @@ LIBRARY = pathlib.Path(__file__).parent / 'build' / 'libqjax_gemv.so'
 KINDS = ('int8', 'int4', 'bf16')
 LAYOUTS = ('kn', 'nk')
 _SYMBOLS = {('kn', 'int8'): 'QjaxKnI8', ('kn', 'int4'): 'QjaxKnI4', ('kn', 'bf16'): 'QjaxKnBf16',
-            ('nk', 'int8'): 'QjaxNkI8', ('nk', 'int4'): 'QjaxNkI4', ('nk', 'bf16'): 'QjaxNkBf16'}
+            ('nk', 'int8'): 'QjaxNkI8', ('nk', 'int4'): 'QjaxNkI4', ('nk', 'bf16'): 'QjaxNkBf16',
+            # int8 activations (qeinsum's 'int8' numerics) on VNNI integer dots
+            ('kn', 'int8_a8'): 'QjaxKnI8A8', ('kn', 'int4_a8'): 'QjaxKnI4A8',
+            ('nk', 'int8_a8'): 'QjaxNkI8A8', ('nk', 'int4_a8'): 'QjaxNkI4A8'}
 _LOCK = threading.Lock()
 _STATE: dict = {}
 
@@ -78,7 +81,7 @@ def status() -> str:
 
 
 def gemv(x_MK: jax.Array, w: jax.Array, scale: Optional[jax.Array], layout: str,
-         kind: str) -> jax.Array:
+         kind: str, act: Optional[str] = None) -> jax.Array:
   """`x @ W` on the CPU kernel, in f32.
 
   Args:
@@ -88,13 +91,20 @@ def gemv(x_MK: jax.Array, w: jax.Array, scale: Optional[jax.Array], layout: str,
     scale: f32 group scales, 'kn': (G, N) (groups of K/G rows), 'nk': (N, G); None for bf16.
     layout: 'kn' or 'nk' (module docstring).
     kind: 'int8', 'int4' or 'bf16'.
+    act: None (f32 activations, weight-only numerics) or 'int8': activations quantized
+      in the kernel per row and per group of scales (per row when G = 1), scale amax / 127,
+      round-half-even, +-127, integer dots (AVX-512 VNNI), rescaled in f32: the numerics of
+      qeinsum's 'int8' path. Needs K / G a multiple of 4 ('kn') or of 64 / 128 ('nk' int8 /
+      int4).
 
   Returns:
     y (M, N) f32; for int4 'kn', N = 2 * w.shape[1] (the padded length).
   """
-  if layout not in LAYOUTS or kind not in KINDS:
-    raise ValueError(f'qjax.kernels.gemv: layout={layout!r}, kind={kind!r}; use a layout in '
-                     f'{LAYOUTS} and a kind in {KINDS}.')
+  if layout not in LAYOUTS or kind not in KINDS or act not in (None, 'int8') or (
+      act and kind == 'bf16'):
+    raise ValueError(f'qjax.kernels.gemv: layout={layout!r}, kind={kind!r}, act={act!r}; use '
+                     f'a layout in {LAYOUTS}, a kind in {KINDS} and act None or "int8" (int8 '
+                     'and int4 weights only).')
   reason = _load()
   if reason is not None:
     raise RuntimeError(f'qjax.kernels.gemv: the CPU kernel is {reason}; check available() '
@@ -105,4 +115,5 @@ def gemv(x_MK: jax.Array, w: jax.Array, scale: Optional[jax.Array], layout: str,
   args = [x_MK.astype(jnp.float32), w]
   if kind != 'bf16':
     args.append(scale.astype(jnp.float32))
-  return jax.ffi.ffi_call(f'qjax_gemv_{layout}_{kind}', out)(*args)
+  name = f'qjax_gemv_{layout}_{kind}' + ('_a8' if act else '')
+  return jax.ffi.ffi_call(name, out)(*args)

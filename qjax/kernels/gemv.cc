@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <string>
@@ -38,7 +39,6 @@ constexpr int64_t kRowBlock = 4; // rows of x per register tile (4 x 4 accumulat
 // read in long sequential runs; a tall block (a column strip down the matrix) steps a page
 // per row and defeats the prefetchers (measured ~3x slower at 4096 x 4096).
 constexpr int64_t kKBlock = 32;
-constexpr int64_t kNkRows = 64;  // nk: weight rows per parallel chunk
 
 // Runs fn(chunk) for chunk in [0, n) on the caller plus the pool's threads. Chunks are taken
 // from a shared counter, and the caller waits only for chunks already claimed, so a helper
@@ -218,9 +218,12 @@ inline void NkRow(const float* x, int64_t K, const uint8_t* row, int64_t G, cons
 template <typename L>
 void NkDriver(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
               const uint8_t* w, int64_t ld, int64_t G, const float* scale, float* y) {
-  const int64_t chunks = (N + kNkRows - 1) / kNkRows;
+  // A few long ranges of rows (as NkA8Driver): 4096 chunks of 64 rows ran slower than one
+  // thread.
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads() + 1);
+  const int64_t chunks = std::min<int64_t>(N, 4 * workers);
   ParallelFor(pool, chunks, [&](int64_t c) {
-    for (int64_t n = c * kNkRows; n < std::min(N, (c + 1) * kNkRows); ++n) {
+    for (int64_t n = N * c / chunks; n < N * (c + 1) / chunks; ++n) {
       const float* s = G > 0 ? scale + n * G : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
         const int64_t mb = std::min(kRowBlock, M - m0);
@@ -236,6 +239,286 @@ void NkDriver(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64
       }
     }
   });
+}
+
+
+// ---- int8 activations (W8A8 / W4A8 at decode): AVX-512 VNNI integer dots ------------------
+// The numerics of qeinsum's 'int8' path (qjax/core/tiled_path.py): activations quantized per
+// row and per weight group (per row when ungrouped), scale = amax / 127 (1 where amax = 0, NaN
+// where the block holds a NaN), q = round-half-even(x / scale) clipped to +-127; integer dots
+// per group, rescaled by (activation scale x weight scale) in f32. vpdpbusd multiplies
+// unsigned by signed bytes: weights are read as u = code + 128 (int8: xor 0x80) or
+// u = code + 8 (int4: nibble xor 8), and off * sum(q) of the block is subtracted in int32.
+
+// x (M, K) f32 -> q (M, K) int8, sa (M, nb) f32, sq (M, nb) int32; blocks of `unit` values.
+void QuantizeRows(const float* x, int64_t M, int64_t K, int64_t unit, int8_t* q, float* sa,
+                  int32_t* sq) {
+  const int64_t nb = K / unit;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * unit;
+      __m512 amax = _mm512_setzero_ps();
+      __mmask16 nan = 0;
+      for (int64_t i = 0; i < unit; i += 16) {
+        const __mmask16 mk = Mask16(unit - i);
+        const __m512 v = _mm512_maskz_loadu_ps(mk, xb + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+      }
+      float am = _mm512_reduce_max_ps(amax);
+      const float scale = nan ? std::numeric_limits<float>::quiet_NaN()
+                              : (am == 0.f ? 1.f : am / 127.f);
+      const __m512 sv = _mm512_set1_ps(scale);
+      const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+      __m512i sum = _mm512_setzero_si512();
+      int8_t* qb = q + m * K + b * unit;
+      for (int64_t i = 0; i < unit; i += 16) {
+        const __mmask16 mk = Mask16(unit - i);
+        const __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(mk, xb + i), sv);
+        const __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi));
+        sum = _mm512_add_epi32(sum, _mm512_maskz_mov_epi32(mk, c));
+        _mm_mask_storeu_epi8(qb + i, mk, _mm512_cvtsepi32_epi8(c));
+      }
+      sa[m * nb + b] = scale;
+      sq[m * nb + b] = _mm512_reduce_add_epi32(sum);
+    }
+  }
+}
+
+// 4 rows of 64 bytes -> 4 registers of 16 dwords, dword j of w[i] holding the 4 rows' bytes of
+// column 16 * lane + 4 * i + (j % 4) (a 4 x 4 byte transpose within each 128-bit lane).
+inline void Transpose4(const __m512i r[4], __m512i w[4]) {
+  const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
+  const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
+  w[0] = _mm512_unpacklo_epi16(t0, t2);
+  w[1] = _mm512_unpackhi_epi16(t0, t2);
+  w[2] = _mm512_unpacklo_epi16(t1, t3);
+  w[3] = _mm512_unpackhi_epi16(t1, t3);
+}
+
+// The inverse lane order: o[L] = columns 16 L .. 16 L + 15 of accumulators in Transpose4's order.
+inline void Unpermute4(const __m512i a[4], __m512i o[4]) {
+  const __m512i u0 = _mm512_shuffle_i32x4(a[0], a[1], _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512i u1 = _mm512_shuffle_i32x4(a[2], a[3], _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512i u2 = _mm512_shuffle_i32x4(a[0], a[1], _MM_SHUFFLE(3, 2, 3, 2));
+  const __m512i u3 = _mm512_shuffle_i32x4(a[2], a[3], _MM_SHUFFLE(3, 2, 3, 2));
+  o[0] = _mm512_shuffle_i32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0));
+  o[1] = _mm512_shuffle_i32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1));
+  o[2] = _mm512_shuffle_i32x4(u2, u3, _MM_SHUFFLE(2, 0, 2, 0));
+  o[3] = _mm512_shuffle_i32x4(u2, u3, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+// kn, one strip of 64 weight bytes per row (int8: 64 columns; int4: 128), one block of `unit`
+// rows [k0, k0 + unit), MB activation rows: y[m, c0 + j] += dot * sa[m, b] * s[c0 + j].
+template <bool kI4, int MB>
+inline void KnA8Tile(const int8_t* q, int64_t K, const float* sa, const int32_t* sq,
+                     int64_t nb, int64_t b, const uint8_t* w, int64_t ld, int64_t k0,
+                     int64_t unit, int64_t c0, int64_t nc, const float* s, float* y,
+                     int64_t N) {
+  constexpr int R = kI4 ? 8 : 4;
+  __m512i acc[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int i = 0; i < R; ++i) acc[m][i] = _mm512_setzero_si512();
+  const int64_t bytes = kI4 ? nc / 2 : nc;
+  const __mmask64 mk = Mask64(bytes);
+  const uint8_t* wb = w + (kI4 ? c0 / 2 : c0);
+  const __m512i flip = _mm512_set1_epi8(kI4 ? 0x88 : 0x80), low4 = _mm512_set1_epi8(0x0F);
+  // The next strip's bytes of these rows: read by the next call, one strip pass from now.
+  const bool pf = c0 + nc < N;
+  const int64_t pfo = kI4 ? nc / 2 : nc;
+  for (int64_t k = k0; k < k0 + unit; k += 4) {
+    __m512i r[4], wv[R];
+    for (int i = 0; i < 4; ++i)
+      r[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, wb + (k + i) * ld), flip);
+    if (pf)
+      for (int i = 0; i < 4; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + (k + i) * ld + pfo), _MM_HINT_T0);
+    if (kI4) {
+      __m512i lo[4], hi[4];
+      for (int i = 0; i < 4; ++i) {
+        lo[i] = _mm512_and_si512(r[i], low4);
+        hi[i] = _mm512_and_si512(_mm512_srli_epi16(r[i], 4), low4);
+      }
+      Transpose4(lo, wv);
+      Transpose4(hi, wv + 4);
+    } else {
+      Transpose4(r, wv);
+    }
+    for (int m = 0; m < MB; ++m) {
+      int32_t a4;
+      std::memcpy(&a4, q + m * K + k, 4);
+      const __m512i av = _mm512_set1_epi32(a4);
+      for (int i = 0; i < R; ++i) acc[m][i] = _mm512_dpbusd_epi32(acc[m][i], wv[i], av);
+    }
+  }
+  const int32_t off = kI4 ? 8 : 128;
+  // int4: lo accumulators hold the even columns (packed byte i -> column 2 i), hi the odd.
+  const __m512i ia = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i ib = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                      24, 8);
+  for (int m = 0; m < MB; ++m) {
+    const __m512i corr = _mm512_set1_epi32(off * sq[m * nb + b]);
+    const __m512 as = _mm512_set1_ps(sa[m * nb + b]);
+    __m512 f[R];
+    if (kI4) {
+      __m512i ol[4], oh[4];
+      Unpermute4(acc[m], ol);
+      Unpermute4(acc[m] + 4, oh);
+      for (int L = 0; L < 4; ++L) {
+        const __m512i a = _mm512_sub_epi32(ol[L], corr), h = _mm512_sub_epi32(oh[L], corr);
+        f[2 * L] = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(a, ia, h));
+        f[2 * L + 1] = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(a, ib, h));
+      }
+    } else {
+      __m512i o[4];
+      Unpermute4(acc[m], o);
+      for (int L = 0; L < 4; ++L) f[L] = _mm512_cvtepi32_ps(_mm512_sub_epi32(o[L], corr));
+    }
+    float* ym = y + m * N + c0;
+    for (int v = 0; v < R; ++v) {
+      const __mmask16 mv = Mask16(nc - 16 * v);
+      if (!mv) break;
+      const __m512 sc = _mm512_mul_ps(as, _mm512_maskz_loadu_ps(mv, s + c0 + 16 * v));
+      _mm512_mask_storeu_ps(ym + 16 * v, mv,
+                            _mm512_fmadd_ps(f[v], sc, _mm512_maskz_loadu_ps(mv, ym + 16 * v)));
+    }
+  }
+}
+
+// Weights smaller than this run on the calling thread: waking the pool costs more (a Gemma
+// W4A8 decode step: 13.3 ms at 1 MiB against 14.3 at 128 KiB or with every call threaded).
+// nk: row ranges per worker (1 / 2 / 4 / 16 measured 3.3 / 2.8 / 2.1 / 3.8 ms on the int4 head).
+constexpr int64_t kNkChunksPerWorker = 4;
+constexpr int64_t kSerialBytes = 1 << 20;  // every Gemma 270M int4 projection (<= 655 KB)
+
+template <bool kI4>
+void KnA8Driver(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
+                const uint8_t* w, int64_t ld, int64_t G, const float* scale, float* y) {
+  const int64_t unit = K / G;  // G = 1: one block per row (per-token activation scales)
+  const int64_t nb = G;
+  std::unique_ptr<int8_t[]> q(new int8_t[M * K]);
+  std::unique_ptr<float[]> sa(new float[M * nb]);
+  std::unique_ptr<int32_t[]> sq(new int32_t[M * nb]);
+  QuantizeRows(x, M, K, unit, q.get(), sa.get(), sq.get());
+  std::memset(y, 0, sizeof(float) * M * N);
+  constexpr int64_t cols = kI4 ? 128 : 64;
+  constexpr int MBMAX = 2;
+  const int64_t strips = (N + cols - 1) / cols;
+  const int64_t threads = K * ld < kSerialBytes ? 1 : std::max<int64_t>(1, pool.num_threads() + 1);
+  const int64_t chunks = std::min(strips, threads == 1 ? 1 : 4 * threads);
+  auto body = [&](int64_t c) {
+    const int64_t s0 = strips * c / chunks, s1 = strips * (c + 1) / chunks;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* s = scale + b * N;
+      for (int64_t st = s0; st < s1; ++st) {
+        const int64_t c0 = st * cols, nc = std::min(cols, N - c0);
+        for (int64_t m0 = 0; m0 < M; m0 += MBMAX) {
+          const int64_t mb = std::min<int64_t>(MBMAX, M - m0);
+          const int8_t* qm = q.get() + m0 * K;
+          const float* sam = sa.get() + m0 * nb;
+          const int32_t* sqm = sq.get() + m0 * nb;
+          float* ym = y + m0 * N;
+#define QJAX_KN(MBV) KnA8Tile<kI4, MBV>(qm, K, sam, sqm, nb, b, w, ld, b * unit, unit, c0, nc, s, ym, N)
+          if (mb == 1) QJAX_KN(1); else QJAX_KN(2);
+#undef QJAX_KN
+        }
+      }
+    }
+  };
+  if (chunks == 1) body(0); else ParallelFor(pool, chunks, body);
+}
+
+// nk: W (N, K), K contiguous. int4 rows pack K (byte i: k = 2 i low, 2 i + 1 high), so the
+// activations of each 128-value chunk are split into its 64 even and 64 odd values once.
+void SplitEvenOdd(int8_t* q, int64_t M, int64_t K) {
+  static const __m512i ev = [] {
+    alignas(64) int8_t idx[64];
+    for (int i = 0; i < 64; ++i) idx[i] = static_cast<int8_t>(2 * i);
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i od = _mm512_add_epi8(ev, _mm512_set1_epi8(1));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; k += 128) {
+      int8_t* p = q + m * K + k;
+      const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64);
+      _mm512_storeu_si512(p, _mm512_permutex2var_epi8(a, ev, b));
+      _mm512_storeu_si512(p + 64, _mm512_permutex2var_epi8(a, od, b));
+    }
+}
+
+template <bool kI4, int MB>
+inline void NkA8Row(const int8_t* q, int64_t K, const float* sa, const int32_t* sq, int64_t nb,
+                    int64_t unit, const uint8_t* row, const float* s, float* y, int64_t N) {
+  const __m512i flip = _mm512_set1_epi8(kI4 ? 0x88 : 0x80), low4 = _mm512_set1_epi8(0x0F);
+  const int32_t off = kI4 ? 8 : 128;
+  __m512 tot[MB];
+  for (int m = 0; m < MB; ++m) tot[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_si512();
+    const int64_t k0 = b * unit;
+    for (int64_t k = k0; k < k0 + unit; k += kI4 ? 128 : 64) {
+      const __m512i r = _mm512_xor_si512(_mm512_loadu_si512(row + (kI4 ? k / 2 : k)), flip);
+      if (kI4) {
+        const __m512i lo = _mm512_and_si512(r, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(r, 4), low4);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* qm = q + m * K + k;
+          acc[m] = _mm512_dpbusd_epi32(acc[m], lo, _mm512_loadu_si512(qm));
+          acc[m] = _mm512_dpbusd_epi32(acc[m], hi, _mm512_loadu_si512(qm + 64));
+        }
+      } else {
+        for (int m = 0; m < MB; ++m)
+          acc[m] = _mm512_dpbusd_epi32(acc[m], r, _mm512_loadu_si512(q + m * K + k));
+      }
+    }
+    const float sw = s[b];
+    for (int m = 0; m < MB; ++m) {
+      // The block's offset correction, in int32 on one lane: the lanes then sum exactly.
+      const __m512i a = _mm512_mask_sub_epi32(acc[m], 1, acc[m],
+                                              _mm512_set1_epi32(off * sq[m * nb + b]));
+      tot[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sa[m * nb + b] * sw),
+                               tot[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) y[m * N] = _mm512_reduce_add_ps(tot[m]);
+}
+
+template <bool kI4>
+void NkA8Driver(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
+                const uint8_t* w, int64_t ld, int64_t G, const float* scale, float* y) {
+  const int64_t unit = K / G, nb = G;
+  std::unique_ptr<int8_t[]> q(new int8_t[M * K]);
+  std::unique_ptr<float[]> sa(new float[M * nb]);
+  std::unique_ptr<int32_t[]> sq(new int32_t[M * nb]);
+  QuantizeRows(x, M, K, unit, q.get(), sa.get(), sq.get());
+  if (kI4) SplitEvenOdd(q.get(), M, K);
+  // A few long ranges of rows (a thread streams each one), not many short ones: 4096 chunks of
+  // 64 rows ran the Gemma head 1.6x slower than one thread did.
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads() + 1);
+  const int64_t chunks = N * ld < kSerialBytes ? 1 : std::min<int64_t>(N, kNkChunksPerWorker * workers);
+  constexpr int MBMAX = 4;
+  auto body = [&](int64_t c) {
+    const int64_t n0 = N * c / chunks, n1 = N * (c + 1) / chunks;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w + n * ld;
+      const float* s = scale + n * G;
+      for (int64_t m0 = 0; m0 < M; m0 += MBMAX) {
+        const int64_t mb = std::min<int64_t>(MBMAX, M - m0);
+        const int8_t* qm = q.get() + m0 * K;
+        const float* sam = sa.get() + m0 * nb;
+        const int32_t* sqm = sq.get() + m0 * nb;
+        float* ym = y + m0 * N + n;
+        switch (mb) {
+          case 1: NkA8Row<kI4, 1>(qm, K, sam, sqm, nb, unit, row, s, ym, N); break;
+          case 2: NkA8Row<kI4, 2>(qm, K, sam, sqm, nb, unit, row, s, ym, N); break;
+          case 3: NkA8Row<kI4, 3>(qm, K, sam, sqm, nb, unit, row, s, ym, N); break;
+          default: NkA8Row<kI4, 4>(qm, K, sam, sqm, nb, unit, row, s, ym, N); break;
+        }
+      }
+    }
+  };
+  if (chunks == 1) body(0); else ParallelFor(pool, chunks, body);
 }
 
 }  // namespace
@@ -283,6 +566,40 @@ QJAX_Q(NkI8, LoadI8, false, 1)
 QJAX_Q(NkI4, LoadI4, false, 2)
 QJAX_F(NkBf16, false)
 
+
+// int8-activation forms: x (M, K) f32, codes and scales as above. kn needs K / G a multiple
+// of 4; nk needs K / G a multiple of 64 (int8) / 128 (int4).
+template <bool kI4, bool kKn>
+ffi::Error RunA8(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                 const ffi::Buffer<ffi::F32>& s, ffi::Result<ffi::AnyBuffer>& y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions(),
+             sd = s.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("qjax gemv a8: operands must be 2-d");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  const int64_t rowlen = wd[1] * (kI4 ? 2 : 1);
+  const int64_t G = kKn ? sd[0] : sd[1];
+  if (yd[0] != M || (kKn ? (wd[0] != K || rowlen != N) : (wd[0] != N || rowlen != K)))
+    return ffi::Error::InvalidArgument("qjax gemv a8: shapes do not match");
+  if (G <= 0 || K % G || (K / G) % (kKn ? 4 : (kI4 ? 128 : 64)))
+    return ffi::Error::InvalidArgument("qjax gemv a8: group length does not fit the kernel");
+  const float* xp = reinterpret_cast<const float*>(x.untyped_data());
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.untyped_data());
+  float* yp = reinterpret_cast<float*>(y->untyped_data());
+  if (kKn) KnA8Driver<kI4>(pool, xp, M, K, N, wp, wd[1], G, s.typed_data(), yp);
+  else NkA8Driver<kI4>(pool, xp, M, K, N, wp, wd[1], G, s.typed_data(), yp);
+  return ffi::Error::Success();
+}
+#define QJAX_A8(fn, i4, kn)                                                                \
+  static ffi::Error fn(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,           \
+                       ffi::Buffer<ffi::F32> s, ffi::Result<ffi::AnyBuffer> y) {           \
+    return RunA8<i4, kn>(pool, x, w, s, y);                                                \
+  }
+QJAX_A8(KnI8A8, false, true)
+QJAX_A8(KnI4A8, true, true)
+QJAX_A8(NkI8A8, false, false)
+QJAX_A8(NkI4A8, true, false)
+
 #define QJAX_BIND_Q(name, fn)                                                        \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, fn,                                            \
                                 ffi::Ffi::Bind()                                     \
@@ -305,3 +622,7 @@ QJAX_BIND_F(QjaxKnBf16, KnBf16)
 QJAX_BIND_Q(QjaxNkI8, NkI8)
 QJAX_BIND_Q(QjaxNkI4, NkI4)
 QJAX_BIND_F(QjaxNkBf16, NkBf16)
+QJAX_BIND_Q(QjaxKnI8A8, KnI8A8)
+QJAX_BIND_Q(QjaxKnI4A8, KnI4A8)
+QJAX_BIND_Q(QjaxNkI8A8, NkI8A8)
+QJAX_BIND_Q(QjaxNkI4A8, NkI4A8)

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from flax import nnx
 
@@ -222,12 +223,28 @@ def step_compilations() -> dict[str, int]:
   return dict(_TRACES)
 
 
+def argmax_last(x_BV: jax.Array) -> jax.Array:
+  """`jnp.argmax(x_BV, axis=-1)` as two plain reductions (max, then the first index at it).
+
+  XLA:CPU lowers argmax to a variadic (value, index) reduce that it does not vectorise:
+  1.3 ms for Gemma's 262144 logits, ~7% of a quantized decode step (profiled); a max and a
+  masked min over an iota are vectorised and fused. A NaN counts as the largest value, as in
+  `jnp.argmax` (the first NaN wins; only a row holding both +inf and NaN can differ: the
+  first of either).
+  """
+  v = x_BV.shape[-1]
+  key = jnp.where(jnp.isnan(x_BV), jnp.inf, x_BV)
+  top = jnp.max(key, axis=-1, keepdims=True)
+  iota = lax.broadcasted_iota(jnp.int32, x_BV.shape, x_BV.ndim - 1)
+  return jnp.min(jnp.where(key == top, iota, v), axis=-1)
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
 def _greedy_step(graphdef, state, tokens_BT, num_real, cache):
   _TRACES['greedy'] += 1
   model = nnx.merge(getattr(graphdef, 'graphdef', graphdef), state)
   logits_BV, cache = _last_logits(model, tokens_BT, cache, num_real)
-  return jnp.argmax(logits_BV, axis=-1).astype(tokens_BT.dtype), cache
+  return argmax_last(logits_BV).astype(tokens_BT.dtype), cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=4)

@@ -136,3 +136,14 @@ def test_no_exception_from_the_weakref_callbacks_at_shutdown():
   assert p.returncode == 0, p.stderr
   assert 'Exception ignored' not in p.stderr, p.stderr
   assert '(1,) tables 2 left 0' in p.stdout, p.stdout  # the callbacks ran
+
+
+def test_argmax_last_equals_jnp_argmax_with_ties_and_nan():
+  from qjax.nn.generate import argmax_last  # pylint: disable=g-import-not-at-top
+  x = np.array(jax.random.normal(jax.random.key(3), (5, 1000)), np.float32)
+  x[1, [10, 700]] = 9.0         # a tie: the first index wins
+  x[2, [3, 600]] = np.nan       # NaN counts as the largest: the first NaN wins
+  x[3] = -np.inf                # all -inf: index 0
+  x[4, 999] = np.inf
+  np.testing.assert_array_equal(jax.jit(argmax_last)(x), np.argmax(jnp.asarray(x), -1))
+  assert list(np.asarray(argmax_last(x))[1:4]) == [10, 3, 0]
