@@ -45,7 +45,7 @@ import sys
 import time
 
 ROWS = ('qjax-f32', 'qjax-bf16', 'qjax-int8', 'qjax-int8-headf', 'qjax-int4', 'qjax-int4-headf',
-        'qjax-w8a8', 'qwix-int8-headf', 'qwix-int4-headf', 'hf-fp32', 'hf-bf16')
+        'qjax-w8a8', 'qjax-w4a8', 'qwix-int8-headf', 'qwix-int4-headf', 'hf-fp32', 'hf-bf16')
 DESCRIPTIONS = {
     'qjax-f32': 'qjax, float32 params',
     'qjax-bf16': 'qjax, bfloat16 params',
@@ -53,7 +53,11 @@ DESCRIPTIONS = {
     'qjax-int8-headf': 'qjax int8 per-channel, embedding/head float',
     'qjax-int4': 'qjax int4 g128 (RTN), every weight incl. the tied head',
     'qjax-int4-headf': 'qjax int4 g128 (RTN), embedding/head float',
-    'qjax-w8a8': 'qjax W8A8 (int8 weights, dynamic per-token int8 activations), head int8 w-only',
+    'qjax-w8a8': 'qjax W8A8: int8 per-channel weights, every weight incl. the tied head, with '
+                 'dynamic int8 activations (per token and weight group)',
+    'qjax-w4a8': 'qjax W4A8: int4 g128 (RTN) weights, every weight incl. the tied head, with '
+                 'dynamic int8 activations per token and group of 128 (llama.cpp Q4 x Q8 '
+                 'style)',
     'qwix-int8-headf': 'google/qwix PTQ int8 per-channel weight-only, embedding/head float',
     'qwix-int4-headf': 'google/qwix PTQ int4 tile 128 weight-only, embedding/head float',
     'hf-fp32': 'HF transformers (torch CPU), fp32',
@@ -87,11 +91,10 @@ def _data(tok, prefill: int, windows: int, prompt: int = 128):
 def _policy(row: str):
   from qjax import int_format  # pylint: disable=g-import-not-at-top
   from qjax.nn import QuantPolicy, QuantRule  # pylint: disable=g-import-not-at-top
-  bits = 4 if 'int4' in row else 8
+  bits = 4 if 'int4' in row or 'w4' in row else 8
   fmt = int_format(bits, group_size=128 if bits == 4 else None)
   rules = [QuantRule('embed', exempt=True)] if row.endswith('-headf') else []
-  if row == 'qjax-w8a8':
-    rules.append(QuantRule('embed', fmt))  # the head stays weight-only int8
+  if row in ('qjax-w8a8', 'qjax-w4a8'):  # the head too: its int8-activation kernel is fast
     rules.append(QuantRule('.*', fmt, act=int_format(8)))
   else:
     rules.append(QuantRule('.*', fmt))
