@@ -2,7 +2,9 @@ r"""Speculative decoding on Gemma 3 270M: draft precision x gamma x temperature.
 
 Points: drafts {float (the target drafting for itself, alpha = 1), int8, int4 g128 RTN / GPTQ
 / AWQ, int3 g128, int4 g128 + int4 KV cache, the first 6 of 18 layers, the same distilled
-(skip6d), and int4 g128 / skip6d with an 8192-token head (+head8192)} x gamma {1, 2, 4, 8}
+(skip6d), int4 g128 / skip6d with an 8192-token head (+head8192), and the W8A8 / W4A8 drafts (_a8:
+every weight, the tied head included, with dynamic int8 activations: the fast decode kernels
+of qjax.kernels)} x gamma {1, 2, 4, 8}
 x temperature {0, 0.7, 1.0}; each decodes 2 prompts per corpus (Tiny Shakespeare, WikiText-2)
 plainly and speculatively. skip6d is read from <distilled_dir>/skip6_distilled.npz, written
 by `python -m benchmarks.speculative_bench --mode=drafts --model=gemma3_270m --skip=6`
@@ -37,7 +39,8 @@ Expected metric: greedy agreement 1.0 on every greedy point (speculative greedy 
 import ml_collections
 
 DRAFTS = ('float', 'int8', 'int4_g128', 'int4_g128_gptq', 'int4_g128_awq', 'int3_g128',
-          'int4_g128+kv_int4', 'skip6', 'skip6d', 'int4_g128+head8192', 'skip6d+head8192')
+          'int4_g128+kv_int4', 'skip6', 'skip6d', 'int4_g128+head8192', 'skip6d+head8192',
+          'int8_a8', 'int4_g128_a8')
 
 
 def get_config() -> ml_collections.ConfigDict:

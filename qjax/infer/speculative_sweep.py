@@ -55,7 +55,7 @@ from qjax.nn.attention import kv_format
 from qjax.nn.generate import logits_step
 from qjax.nn.kvcache import init_cache
 
-_DRAFT_RE = re.compile(r'^(?:(float)|skip(\d+)(d?)|int(\d)(?:_g(\d+))?(?:_(rtn|gptq|awq))?)'
+_DRAFT_RE = re.compile(r'^(?:(float)|skip(\d+)(d?)|int(\d)(?:_g(\d+))?(?:_(rtn|gptq|awq))?(_a8)?)'
                        r'(?:\+kv_(int8|int4|fp8))?(?:\+head(\d+))?$')
 
 
@@ -90,10 +90,10 @@ def make_draft(target, name: str, calib_tokens=None, head_tokens=None,
   m = _DRAFT_RE.match(name)
   if not m:
     raise ValueError(f'make_draft: draft {name!r} is not a draft name; use float, skip<k>[d], '
-                     "int<bits>[_g<group>][_rtn|_gptq|_awq], then optionally "
+                     "int<bits>[_g<group>][_rtn|_gptq|_awq][_a8], then optionally "
                      "+kv_int8|+kv_int4|+kv_fp8 and +head<K>, e.g. 'int4_g128_gptq+kv_int4' "
                      "or 'skip6d+head8192'.")
-  is_float, skip, distilled, bits, group, method, kv, head = m.groups()
+  is_float, skip, distilled, bits, group, method, a8, kv, head = m.groups()
   if is_float:
     draft = target
   elif skip and distilled:
@@ -108,7 +108,10 @@ def make_draft(target, name: str, calib_tokens=None, head_tokens=None,
     draft = layer_skip_draft(target, int(skip))
   else:
     fmt = int_format(int(bits), group_size=int(group) if group else None)
-    policy = QuantPolicy((QuantRule('embed', exempt=True), QuantRule('.*', fmt)))
+    if a8:  # every weight, tied head included, with dynamic int8 activations (W4A8 / W8A8)
+      policy = QuantPolicy((QuantRule('.*', fmt, act=int_format(8)),))
+    else:
+      policy = QuantPolicy((QuantRule('embed', exempt=True), QuantRule('.*', fmt)))
     method = method or 'rtn'
     if method == 'rtn':
       draft, _ = quantize_model(target, policy)
@@ -333,7 +336,7 @@ BUDGET_SPENT = 'not run: the time budget'
 def draft_bits(name: str) -> Optional[int]:
   """The weight bits of a self-draft name ('float' 32, 'int4_g128' 4); None for others."""
   m = _DRAFT_RE.match(name)
-  if not m or m.group(2) or m.group(8):  # layer skip or truncated head: not a bits point
+  if not m or m.group(2) or m.group(9):  # layer skip or truncated head: not a bits point
     return None
   return 32 if m.group(1) else int(m.group(4))
 
