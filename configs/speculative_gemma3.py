@@ -77,7 +77,7 @@ def idle(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   grid, on 1 prompt per corpus of 16 tokens, 8 new tokens, no first-token KL rows (each
   would compile one more round per draft and gamma), GPTQ / AWQ calibrated on 2 windows per
   corpus, written to its own out_dir. One draft x gamma compiles its own round (~30-60 s
-  for Gemma), so the 132 points do not fit 12 minutes: after 600 s the run stops starting
+  for Gemma), so the 156 points do not fit 12 minutes: after 600 s the run stops starting
   points and says how many are left; rerunning the same command resumes (2-4 runs)."""
   c = ml_collections.ConfigDict(c.to_dict())
   c.prompts_per_corpus, c.prompt_len, c.max_tokens = 1, 16, 8
