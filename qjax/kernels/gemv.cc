@@ -11,9 +11,16 @@
 //       int4 packs N: byte (k, i) holds column 2i in its low and 2i+1 in its high nibble.
 //   nk: W is (N, K) (the tied head 'BTD,VD->BTV'), K contiguous; scales (N, G).
 //       int4 packs K: byte (n, i) holds k = 2i (low nibble) and 2i+1 (high nibble).
-// Work is split in column (kn) or row (nk) chunks over XLA's intra-op thread pool.
-// Needs AVX-512 (F, BW; -march=native on an AVX-512 machine); elsewhere the build fails and
-// qjax uses its XLA paths.
+// Work is split in column (kn) or row (nk) chunks over XLA's intra-op thread pool; small
+// weights run on the calling thread (waking the pool cost more than it saved).
+// Three families of forms:
+//   f32 activations x int8 / int4 codes, widened to f32 in registers (weight-only numerics);
+//   int8 activations ("_a8": quantized here per row and weight group, qeinsum's 'int8'
+//     numerics) x int8 / int4 codes on AVX-512 VNNI integer dots (vpdpbusd): W8A8 / W4A8;
+//   bf16 weights: kn on AVX-512 BF16 dots (vdpbf16ps, activations split into bf16 hi + lo),
+//     nk widened to f32.
+// Needs AVX-512 F/BW/VNNI/BF16 (-march=native on such a machine); elsewhere the build fails
+// and qjax uses its XLA paths.
 // Build: python -m qjax.kernels.build (g++ -O3 -march=native, headers from jax.ffi).
 
 #include <immintrin.h>
