@@ -68,3 +68,33 @@ def run_notebook(repo_root, monkeypatch):
     outputs = [o for c in nb.cells if c.cell_type == 'code' for o in c.get('outputs', [])]
     return ''.join(o.get('text', '') for o in outputs), outputs
   return run
+
+
+# Each live compiled XLA CPU executable holds ~9 entries of the process's memory-map table (its
+# JIT code and data sections), and jax's caches keep every executable a test compiled alive.
+# One process running the whole suite reaches vm.max_map_count (65530 by default) after
+# ~550-630 tests; the next mmap fails ("LLVM compilation error: Cannot allocate memory") and
+# jaxlib (0.10 and 0.12 alike) segfaults unwinding the C++ exception it throws for that error,
+# in backend_compile_and_load or executable.serialize(). docs/py312_crash.md has the
+# reproduction. Near the limit, drop jax's caches (the executables go, their maps with them);
+# below it this is one read of /proc/self/maps per test and nothing else.
+_MAPS = '/proc/self/maps'
+try:
+  with open('/proc/sys/vm/max_map_count', encoding='ascii') as _f:
+    _MAP_LIMIT = int(_f.read())
+except OSError:
+  _MAP_LIMIT = None
+
+
+def _map_count():
+  with open(_MAPS, 'rb') as f:
+    return f.read().count(b'\n')
+
+
+@pytest.fixture(autouse=True)
+def _stay_below_the_map_limit():
+  yield
+  if _MAP_LIMIT and _map_count() > _MAP_LIMIT // 2:
+    import gc  # pylint: disable=g-import-not-at-top
+    jax.clear_caches()
+    gc.collect()
