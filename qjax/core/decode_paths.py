@@ -38,6 +38,7 @@ from qjax.core.qarray import QArray, dequantize
 
 MAX_KERNEL_ROWS = 16   # decode shapes: beyond this the fused XLA tiles win (prefill)
 _BLOCK_ELEMENTS = 2**19  # weight elements per V block of `vblocked_einsum` (2 MiB in f32)
+_PREFILL_BLOCK_ELEMENTS = 2**20  # the same, when more than MAX_KERNEL_ROWS rows multiply it
 
 
 def head_axes(xs: str, ws: str, out: str) -> bool:
@@ -150,7 +151,11 @@ def vblocked_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray,
     return None
   v, d = w.shape
   tile_v = w.tile_shape[0]
-  vb = max(tile_v, (_BLOCK_ELEMENTS // d) // tile_v * tile_v)
+  rows = math.prod(x.shape[xs.index(c)] for c in xs if c != ws[1])
+  # Prefill (more rows than decode): blocks of 2**20 weights, ~2.6x fewer dot calls per head
+  # (1.4x faster at 512 rows); the temporary stays under 10% of an int4 head's bytes.
+  elements = _BLOCK_ELEMENTS if rows <= MAX_KERNEL_ROWS else _PREFILL_BLOCK_ELEMENTS
+  vb = max(tile_v, (elements // d) // tile_v * tile_v)
   nb = v // vb
   if nb < 2:
     return None  # small enough that the block is the weight: 'dequant' is the same thing
@@ -189,8 +194,11 @@ def vblocked_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray,
       y = y + jnp.dot(xf, c.T, preferred_element_type=jnp.float32)
     return y
 
-  y = lax.map(lambda i: block(i * vb, vb), jnp.arange(nb))          # (nb, M, vb)
-  y2 = jnp.transpose(y, (1, 0, 2)).reshape(x2.shape[0], nb * vb)
+  # Each block's logits written in place into (M, V): stacking them (lax.map) and then
+  # transposing to (M, V) copied the whole output once more, 512 MiB at a 512-token prefill
+  # (the head then took 2.3x the bf16 dense time, 1.2x without the copy; side by side).
+  y2 = lax.fori_loop(0, nb, lambda i, y: lax.dynamic_update_slice_in_dim(
+      y, block(i * vb, vb), i * vb, 1), jnp.zeros((x2.shape[0], nb * vb), jnp.float32))
   if nb * vb < v:
     y2 = jnp.concatenate([y2, block(nb * vb, v - nb * vb)], axis=1)
   return _finish(y2, x_only, m_shape, ws[0], (v,), out, out_dtype)
