@@ -330,11 +330,15 @@ template <bool kI4, int MB>
 inline void KnA8Tile(const int8_t* q, int64_t K, const float* sa, const int32_t* sq,
                      int64_t nb, int64_t b, const uint8_t* w, int64_t ld, int64_t k0,
                      int64_t unit, int64_t c0, int64_t nc, const float* s, float* y,
-                     int64_t N) {
+                     int64_t N, __m512i* carry, bool first, bool last) {
+  // Rows [k0, k0 + unit) are a part of block b; `carry` holds the block's integer sums
+  // between its parts (MB x R vectors): loaded unless `first`, stored unless `last`, and
+  // only the last part rescales into y.
   constexpr int R = kI4 ? 8 : 4;
   __m512i acc[MB][R];
   for (int m = 0; m < MB; ++m)
-    for (int i = 0; i < R; ++i) acc[m][i] = _mm512_setzero_si512();
+    for (int i = 0; i < R; ++i)
+      acc[m][i] = first ? _mm512_setzero_si512() : _mm512_loadu_si512(carry + m * R + i);
   const int64_t bytes = kI4 ? nc / 2 : nc;
   const __mmask64 mk = Mask64(bytes);
   const uint8_t* wb = w + (kI4 ? c0 / 2 : c0);
@@ -366,6 +370,11 @@ inline void KnA8Tile(const int8_t* q, int64_t K, const float* sa, const int32_t*
       const __m512i av = _mm512_set1_epi32(a4);
       for (int i = 0; i < R; ++i) acc[m][i] = _mm512_dpbusd_epi32(acc[m][i], wv[i], av);
     }
+  }
+  if (!last) {
+    for (int m = 0; m < MB; ++m)
+      for (int i = 0; i < R; ++i) _mm512_storeu_si512(carry + m * R + i, acc[m][i]);
+    return;
   }
   const int32_t off = kI4 ? 8 : 128;
   // int4: lo accumulators hold the even columns (packed byte i -> column 2 i), hi the odd.
@@ -422,21 +431,33 @@ void KnA8Driver(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int
   const int64_t strips = (N + cols - 1) / cols;
   const int64_t threads = K * ld < kSerialBytes ? 1 : std::max<int64_t>(1, pool.num_threads() + 1);
   const int64_t chunks = std::min(strips, threads == 1 ? 1 : 4 * threads);
+  // A block longer than kA8Part rows (per-channel int8: the whole K) is walked in parts, so
+  // that memory is read in runs of whole rows, not a column strip down the matrix.
+  constexpr int64_t kA8Part = 128;
+  constexpr int R = kI4 ? 8 : 4;
+  const int64_t part = unit % kA8Part == 0 ? kA8Part : unit;
   auto body = [&](int64_t c) {
     const int64_t s0 = strips * c / chunks, s1 = strips * (c + 1) / chunks;
+    std::unique_ptr<__m512i[]> carry(
+        part < unit ? new __m512i[(s1 - s0) * ((M + MBMAX - 1) / MBMAX) * MBMAX * R] : nullptr);
     for (int64_t b = 0; b < nb; ++b) {
       const float* s = scale + b * N;
-      for (int64_t st = s0; st < s1; ++st) {
-        const int64_t c0 = st * cols, nc = std::min(cols, N - c0);
-        for (int64_t m0 = 0; m0 < M; m0 += MBMAX) {
-          const int64_t mb = std::min<int64_t>(MBMAX, M - m0);
-          const int8_t* qm = q.get() + m0 * K;
-          const float* sam = sa.get() + m0 * nb;
-          const int32_t* sqm = sq.get() + m0 * nb;
-          float* ym = y + m0 * N;
-#define QJAX_KN(MBV) KnA8Tile<kI4, MBV>(qm, K, sam, sqm, nb, b, w, ld, b * unit, unit, c0, nc, s, ym, N)
-          if (mb == 1) QJAX_KN(1); else QJAX_KN(2);
+      for (int64_t p0 = b * unit; p0 < (b + 1) * unit; p0 += part) {
+        const bool first = p0 == b * unit, last = p0 + part == (b + 1) * unit;
+        for (int64_t st = s0; st < s1; ++st) {
+          const int64_t c0 = st * cols, nc = std::min(cols, N - c0);
+          for (int64_t m0 = 0; m0 < M; m0 += MBMAX) {
+            const int64_t mb = std::min<int64_t>(MBMAX, M - m0);
+            const int8_t* qm = q.get() + m0 * K;
+            const float* sam = sa.get() + m0 * nb;
+            const int32_t* sqm = sq.get() + m0 * nb;
+            float* ym = y + m0 * N;
+            __m512i* cm = carry ? carry.get() + ((st - s0) * ((M + MBMAX - 1) / MBMAX) +
+                                                 m0 / MBMAX) * MBMAX * R : nullptr;
+#define QJAX_KN(MBV) KnA8Tile<kI4, MBV>(qm, K, sam, sqm, nb, b, w, ld, p0, part, c0, nc, s, ym, N, cm, first, last)
+            if (mb == 1) QJAX_KN(1); else QJAX_KN(2);
 #undef QJAX_KN
+          }
         }
       }
     }
