@@ -15,7 +15,8 @@ f32 logits buffer is 512 MiB by itself); quantized qjax rows are quantized while
 (`load_gemma3_270m(policy=)`), never holding the float model; writes <out>.json and <out>.png.
 
 Rows: qjax (float32, bfloat16, int8 / int4 g128 with every weight or with the embedding/head
-float, W8A8); google/qwix PTQ int8 / int4 tile 128 of the same float Gemma, embedding/head
+float, W8A8 and W4A8: every weight incl. the head with dynamic int8 activations, the VNNI
+decode kernels); google/qwix PTQ int8 / int4 tile 128 of the same float Gemma, embedding/head
 float (`_qwix_model` says why qwix runs over plain-einsum projections, and why the tied head
 stays float), when `qwix` imports (`pip install -e '.[bench]'`); HF transformers on CPU torch
 fp32 / bf16 when `transformers` and `torch` import (`pip install -e '.[reference]'`).
@@ -28,6 +29,10 @@ that share qjax-f32 for the ratios:
 
     --rows=qjax-f32,qjax-bf16,qjax-int8,qjax-int8-headf,qjax-int4,qjax-int4-headf --out=results/peers_a
     --rows=qjax-f32,qjax-w8a8,qwix-int8-headf,qwix-int4-headf,hf-fp32,hf-bf16 --out=results/peers_b
+
+The README's latest idle run (8 rows, one invocation):
+
+    --rows=qjax-f32,qjax-bf16,qjax-int8,qjax-int4,qjax-w8a8,qjax-w4a8,hf-fp32,hf-bf16 --out=results/peers_final
 
 Timing needs an idle machine: the script prints the load average before and after each row;
 compare rows only within one run.
