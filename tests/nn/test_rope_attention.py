@@ -94,13 +94,13 @@ def test_decode_attention_form_equals_the_einsum_form(monkeypatch):
   # reads the cache in its stored layout; both forms give the same attention.
   from qjax.nn import attention  # pylint: disable=g-import-not-at-top
   ks = jax.random.split(jax.random.key(11), 3)
-  q = jax.random.normal(ks[0], (2, 1, 4, 16))
-  k = jax.random.normal(ks[1], (2, 9, 2, 16))
-  v = jax.random.normal(ks[2], (2, 9, 2, 16))
-  q_pos = jnp.array([[8], [5]])
-  k_pos = jnp.broadcast_to(jnp.arange(9)[None], (2, 9))
+  q = jax.random.normal(ks[0], (1, 1, 4, 16))  # one row: the multiply-reduce form
+  k = jax.random.normal(ks[1], (1, 9, 2, 16))
+  v = jax.random.normal(ks[2], (1, 9, 2, 16))
+  q_pos = jnp.array([[5]])
+  k_pos = jnp.arange(9)[None]
   few = attention.attend(q, k, v, q_pos, k_pos, window=4, logit_softcap=20.0)
   monkeypatch.setattr(attention, '_FEW_QUERIES', 0)
   dense = attention.attend(q, k, v, q_pos, k_pos, window=4, logit_softcap=20.0)
-  assert few.shape == dense.shape == (2, 1, 4, 16)
+  assert few.shape == dense.shape == (1, 1, 4, 16)
   assert float(jnp.max(jnp.abs(few - dense))) < 1e-5
