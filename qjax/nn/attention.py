@@ -38,9 +38,6 @@ _MASKED = -1e30
 EMPTY_POSITION = kvcache.EMPTY_POSITION
 
 
-_FEW_QUERIES = 16  # queries (T x heads per KV head) of one row up to which `attend` multiplies-reduces
-
-
 def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
   """`cap * tanh(x / cap)`, or x when cap is None."""
   return x if cap is None else cap * jnp.tanh(x / cap)
@@ -76,30 +73,13 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_BT: ja
   b, t, n, h = q_BTNH.shape
   k = k_BSKH.shape[2]
   q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
-  few = b == 1 and t * (n // k) <= _FEW_QUERIES
-  if few:
-    # One row, few queries (decode at batch 1): products and sums, not dots. XLA:CPU's dot
-    # (YNNPACK) took the cache as its (contracted, kept) operand and copied and transposed
-    # every layer's whole K and V cache on each decode step (profiled: ~2.5 ms of a 14 ms
-    # Gemma step at 200 slots, growing with the cache); a fused multiply-reduce reads the
-    # cache as it is stored. Side by side in the model: batch 1 16.6 vs 17.8 ms per step
-    # with the dots; at batch 8 the dots won (48.7 vs 62.9 ms), so more rows keep them.
-    logits_BKGTS = jnp.sum(
-        q_BTKGH.transpose(0, 2, 3, 1, 4)[:, :, :, :, None].astype(jnp.float32) *
-        k_BSKH.transpose(0, 2, 1, 3)[:, :, None, None].astype(jnp.float32), axis=-1)
-  else:
-    logits_BKGTS = jnp.einsum('BTKGH,BSKH->BKGTS', q_BTKGH, k_BSKH,
-                              preferred_element_type=jnp.float32)
+  logits_BKGTS = jnp.einsum('BTKGH,BSKH->BKGTS', q_BTKGH, k_BSKH,
+                            preferred_element_type=jnp.float32)
   logits_BKGTS = softcap(logits_BKGTS, logit_softcap)
   mask_BTS = attention_mask(q_pos_BT, k_pos_BS, window)
   logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
   probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKH.dtype)
-  if few:
-    out_BKGTH = jnp.sum(probs_BKGTS[..., None] *
-                        v_BSKH.transpose(0, 2, 1, 3)[:, :, None, None], axis=-2)
-    out_BTKGH = out_BKGTH.transpose(0, 3, 1, 2, 4)
-  else:
-    out_BTKGH = jnp.einsum('BKGTS,BSKH->BTKGH', probs_BKGTS, v_BSKH)
+  out_BTKGH = jnp.einsum('BKGTS,BSKH->BTKGH', probs_BKGTS, v_BSKH)
   return out_BTKGH.reshape(b, t, n, h).astype(q_BTNH.dtype)
 
 

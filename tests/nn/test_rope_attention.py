@@ -88,19 +88,3 @@ class AttendTest(chex.TestCase):
     # logits +-400 capped to +-1: the second query mixes both values, weight 1/(1+e^2).
     np.testing.assert_allclose(capped[0, 1, 0, 0], 1 / (1 + np.exp(2.0)), rtol=1e-5)
 
-
-def test_decode_attention_form_equals_the_einsum_form(monkeypatch):
-  # `attend` with few queries (decode) multiplies and sums instead of two dots, so that XLA
-  # reads the cache in its stored layout; both forms give the same attention.
-  from qjax.nn import attention  # pylint: disable=g-import-not-at-top
-  ks = jax.random.split(jax.random.key(11), 3)
-  q = jax.random.normal(ks[0], (1, 1, 4, 16))  # one row: the multiply-reduce form
-  k = jax.random.normal(ks[1], (1, 9, 2, 16))
-  v = jax.random.normal(ks[2], (1, 9, 2, 16))
-  q_pos = jnp.array([[5]])
-  k_pos = jnp.arange(9)[None]
-  few = attention.attend(q, k, v, q_pos, k_pos, window=4, logit_softcap=20.0)
-  monkeypatch.setattr(attention, '_FEW_QUERIES', 0)
-  dense = attention.attend(q, k, v, q_pos, k_pos, window=4, logit_softcap=20.0)
-  assert few.shape == dense.shape == (1, 1, 4, 16)
-  assert float(jnp.max(jnp.abs(few - dense))) < 1e-5
