@@ -305,13 +305,6 @@ def write(cache: KVCache, layer: int, k_BTKH: jax.Array, v_BTKH: jax.Array,
     put_row = jax.vmap(lambda old_R, new_T, slots_T: old_R.at[slots_T].set(
         new_T.astype(old_R.dtype), mode='drop'))
 
-  if k_BTKH.shape[0] == 1 and (not ring or t == 1):
-    # One row: a plain dynamic_update_slice of the whole array. The vmapped form lowers to a
-    # scatter, for which XLA:CPU copied each layer's cache three times per decode step
-    # (1.6 ms of a 14 ms Gemma step at 200 slots; the copies grow with max_len).
-    put_row = lambda old_BS, new_BT, start_B: jax.lax.dynamic_update_slice_in_dim(
-        old_BS, new_BT.astype(old_BS.dtype), start_B[0], axis=1)
-
   def put(arrs, new):
     old = arrs[layer]
     if isinstance(old, QArray):  # quantize on write; scales are per token: B, S tile by 1
