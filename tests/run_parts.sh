@@ -2,9 +2,10 @@
 # Runs the suite as several pytest processes, one after another: one per tests/ subdirectory
 # (tests/test_*.py together as one more), with tests/integration/test_ptq_methods_pipeline.py
 # in a process of its own. Every test runs; only the process a test runs in changes. Used by
-# `make test-py312`: under jaxlib 0.12.0.1 a single process running the whole suite segfaults
-# inside jaxlib after ~550-630 tests (a native crash that depends on the process's history,
-# not on one test); see docs/py312_crash.md. Fails (after running every part) if any part
+# `make test-py312`: a single process running the whole suite segfaulted inside jaxlib after
+# ~550-630 tests, when the live executables jax keeps had used up vm.max_map_count (~9 map
+# entries each; docs/py312_crash.md). tests/conftest.py now clears jax's caches near that
+# limit; the split keeps each process far from it as well. Fails (after running every part) if any part
 # failed, and names the parts that did.
 #   usage: tests/run_parts.sh PYTHON [pytest args...]
 set -uo pipefail
