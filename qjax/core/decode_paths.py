@@ -145,10 +145,22 @@ def _kernel_head(xs, ws, out, x, w: QArray, kind, out_dtype, max_rows, act=None)
 
 
 def vblocked_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray,
-                    out_dtype) -> Optional[jax.Array]:
-  """The head layout as a loop over blocks of V rows (module docstring), or None."""
+                    out_dtype, act: Optional[str] = None) -> Optional[jax.Array]:
+  """The head layout as a loop over blocks of V rows (module docstring), or None.
+
+  act='int8': the activations are first quantized as `qeinsum`'s 'int8' path does (per row
+  and weight group, `tiled_path.quantize_rows`) and multiplied back by their scales in f32,
+  and the blocks multiply in f32: the int8 numerics up to f32 rounding, for prefill shapes of
+  a W8A8 / W4A8 head (its whole-operand integer dot needed GiBs of temporaries).
+  """
   if not head_axes(xs, ws, out):
     return None
+  if act is not None:
+    d = w.shape[1]
+    g = w.scale.shape[1]
+    unit = d // g if g > 1 else d
+    xq, xs_ = tiled.quantize_rows(x.reshape(x.shape[:-1] + (d // unit, unit)), (x.ndim,), 'int')
+    x = (xq.astype(jnp.float32) * xs_).reshape(x.shape)
   v, d = w.shape
   tile_v = w.tile_shape[0]
   rows = math.prod(x.shape[xs.index(c)] for c in xs if c != ws[1])
@@ -160,7 +172,8 @@ def vblocked_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray,
   if nb < 2:
     return None  # small enough that the block is the weight: 'dequant' is the same thing
   x2, x_only, m_shape = _rows(xs, x, ws[1])
-  cdt = jnp.float32 if x2.shape[0] == 1 else jnp.bfloat16  # as the row tiles (tiled_path.py)
+  # as the row tiles (tiled_path.py); f32 for int8 activations (their values are not bf16)
+  cdt = jnp.float32 if x2.shape[0] == 1 or act is not None else jnp.bfloat16
   xin = x2.astype(cdt)
   sv = w.scale.shape[0]
 

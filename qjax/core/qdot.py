@@ -181,6 +181,10 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
     y = tiled.tiled_einsum(xs, ws, out, x, w, 'int' if path == 'int8' else qt.kind, out_dtype)
     if y is not None:
       return y
+    if path == 'int8' and x.ndim == len(xs) and xs[-1] == ws[-1]:  # the head at prefill
+      y = decode_paths.vblocked_einsum(xs, ws, out, x, w, out_dtype, act='int8')
+      if y is not None:
+        return y
   return _integer_like_einsum(xs, ws, out, x, w, path, out_dtype)
 
 

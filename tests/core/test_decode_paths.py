@@ -176,3 +176,25 @@ def test_w8a8_decode_accuracy_gate():
       y = gate(x, q)
       assert float(qjax.sqnr_db(ref, y)) > 35.0, (fmt.name, m)
       assert not np.allclose(y, ref, rtol=1e-6, atol=1e-7)  # it is not weight-only math
+
+
+def test_int8_activation_head_at_prefill_shapes_stays_in_blocks():
+  # A W8A8 / W4A8 head with more rows than the kernel takes runs in V blocks on int8-quantized
+  # activations (f32 dots): the int8 numerics (a float64 numpy reference) without the GiBs of
+  # temporaries of a whole-operand integer dot.
+  v, d, m = 16384, 256, 40  # 4 blocks of 2**20 weights
+  w = jax.random.normal(KEY[0], (v, d)) / 8
+  q = quantize(w, int_format(4, group_size=128, channel_axes=(0,), group_axis=1))
+  x = jax.random.normal(KEY[1], (1, m, d))
+  f = jax.jit(lambda x, q: qeinsum('BTD,VD->BTV', x, q, act_fmt=int_format(8)))
+  y = np.asarray(f(x, q))[0]
+  xg = np.asarray(x, np.float64)[0].reshape(m, 2, 128)
+  amax = np.abs(xg).max(-1, keepdims=True)
+  sx = np.where(amax == 0, 1.0, amax.astype(np.float32) / np.float32(127.0)).astype(np.float64)
+  qx = np.clip(np.round((xg / sx).astype(np.float32)), -127, 127)
+  c = np.asarray(q.codes(), np.float64).reshape(v, 2, 128)
+  ref = np.einsum('mgk,vgk,mg,vg->mv', qx, c, sx[..., 0], np.asarray(q.scale, np.float64))
+  np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+  temp = f.lower(x, q).compile().memory_analysis().temp_size_in_bytes
+  # the logits and about one f32 block (4 MiB), well under an f32 copy of the weight (16 MiB)
+  assert temp < 4 * m * v + 1.5 * 4 * 2**20 < 4 * v * d, temp
