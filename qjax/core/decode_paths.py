@@ -73,8 +73,8 @@ def _kernel_kind(w: QArray) -> Optional[str]:
 
 
 def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype,
-                  max_rows: int = MAX_KERNEL_ROWS,
-                  act: Optional[str] = None) -> Optional[jax.Array]:
+                  max_rows: int = MAX_KERNEL_ROWS, act: Optional[str] = None,
+                  explicit: bool = False) -> Optional[jax.Array]:
   """`qeinsum` on the CPU kernel, or None when the kernel or this spec / layout cannot.
 
   Args:
@@ -88,6 +88,8 @@ def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype
       `qeinsum`'s 'int8' path (`tiled_path.quantize_rows`); None is returned where the group
       length does not fit that kernel (a multiple of 4 rows in the (contracted..., kept...)
       layout, of 64 / 128 values for an int8 / int4 head).
+    explicit: `path='kernel'` asked for it: run every form the kernel has, even where an XLA
+      path measured faster (a one-row weight-only int8 head).
 
   Returns:
     The einsum result, or None (kernel unavailable, zero points, a code type other than
@@ -97,7 +99,7 @@ def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype
   if kind is None or not kernels.available():
     return None
   if head_axes(xs, ws, out):
-    return _kernel_head(xs, ws, out, x, w, kind, out_dtype, max_rows, act)
+    return _kernel_head(xs, ws, out, x, w, kind, out_dtype, max_rows, act, explicit)
   plan = tiled.plan_tiles(xs, ws, out, x.shape, w, None)
   if plan is None or plan.m > max_rows:
     return None
@@ -121,7 +123,7 @@ def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype
   return _finish(y2, x_only, m_shape, ws[a:], kept_shape, out, out_dtype)
 
 
-def _kernel_head(xs, ws, out, x, w: QArray, kind, out_dtype, max_rows, act=None):
+def _kernel_head(xs, ws, out, x, w: QArray, kind, out_dtype, max_rows, act, explicit):
   """The head layout (V, D) on the kernel's 'nk' form."""
   v, d = w.shape
   if kind == 'int4' and d % 2:
@@ -131,10 +133,10 @@ def _kernel_head(xs, ws, out, x, w: QArray, kind, out_dtype, max_rows, act=None)
   x2, x_only, m_shape = _rows(xs, x, ws[1])
   if x2.shape[0] > max_rows:
     return None
-  if kind == 'int8' and act is None and x2.shape[0] == 1 and max_rows == MAX_KERNEL_ROWS:
+  if kind == 'int8' and act is None and x2.shape[0] == 1 and not explicit:
     # One row of an int8 head: the V blocks (`vblocked_einsum`) measured 7.6 ms against the
     # float kernel's 29.8 (Gemma head, benchmarks/qdot_bench.py): widening int8 codes to f32
-    # is the kernel's bottleneck there. (path='kernel' still runs it.)
+    # is the kernel's bottleneck there.
     return None
   sv, g = w.scale.shape
   s = w.scale.astype(jnp.float32)
@@ -155,23 +157,20 @@ def vblocked_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray,
   """
   if not head_axes(xs, ws, out):
     return None
-  if act is not None:
-    d = w.shape[1]
-    g = w.scale.shape[1]
-    unit = d // g if g > 1 else d
-    xq, xs_ = tiled.quantize_rows(x.reshape(x.shape[:-1] + (d // unit, unit)), (x.ndim,), 'int')
-    x = (xq.astype(jnp.float32) * xs_).reshape(x.shape)
   v, d = w.shape
+  x2, x_only, m_shape = _rows(xs, x, ws[1])                        # (M, D) f32
+  if act is not None:  # per row and group of the D scale columns
+    g = w.scale.shape[1]
+    xq, xscale = tiled.quantize_rows(x2.reshape(-1, g, d // g), (2,), 'int')
+    x2 = (xq.astype(jnp.float32) * xscale).reshape(x2.shape)
   tile_v = w.tile_shape[0]
-  rows = math.prod(x.shape[xs.index(c)] for c in xs if c != ws[1])
   # Prefill (more rows than decode): blocks of 2**20 weights, ~2.6x fewer dot calls per head
   # (1.4x faster at 512 rows); the temporary stays under 10% of an int4 head's bytes.
-  elements = _BLOCK_ELEMENTS if rows <= MAX_KERNEL_ROWS else _PREFILL_BLOCK_ELEMENTS
+  elements = _BLOCK_ELEMENTS if x2.shape[0] <= MAX_KERNEL_ROWS else _PREFILL_BLOCK_ELEMENTS
   vb = max(tile_v, (elements // d) // tile_v * tile_v)
   nb = v // vb
   if nb < 2:
     return None  # small enough that the block is the weight: 'dequant' is the same thing
-  x2, x_only, m_shape = _rows(xs, x, ws[1])
   # as the row tiles (tiled_path.py); f32 for int8 activations (their values are not bf16)
   cdt = jnp.float32 if x2.shape[0] == 1 or act is not None else jnp.bfloat16
   xin = x2.astype(cdt)

@@ -148,7 +148,7 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
   if auto:
     path = choose_path(qt, act_fmt)
   if path == 'kernel':
-    y = decode_paths.kernel_einsum(xs, ws, out, x, w, out_dtype, max_rows=2**31)
+    y = decode_paths.kernel_einsum(xs, ws, out, x, w, out_dtype, max_rows=2**31, explicit=True)
     if y is None:
       raise ValueError(f"qeinsum: path='kernel' cannot run {spec!r} with {w.layout_name}: the "
                        f'CPU kernel is {kernels.status()}, and it takes symmetric int8 / int4 '
@@ -181,7 +181,7 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
     y = tiled.tiled_einsum(xs, ws, out, x, w, 'int' if path == 'int8' else qt.kind, out_dtype)
     if y is not None:
       return y
-    if path == 'int8' and x.ndim == len(xs) and xs[-1] == ws[-1]:  # the head at prefill
+    if path == 'int8':  # the head at prefill (the layout row tiles cannot express)
       y = decode_paths.vblocked_einsum(xs, ws, out, x, w, out_dtype, act='int8')
       if y is not None:
         return y

@@ -47,6 +47,21 @@ constexpr int64_t kRowBlock = 4; // rows of x per register tile (4 x 4 accumulat
 // read in long sequential runs; a tall block (a column strip down the matrix) steps a page
 // per row and defeats the prefetchers (measured ~3x slower at 4096 x 4096).
 constexpr int64_t kKBlock = 32;
+// nk: row ranges per worker (1 / 2 / 4 / 16 measured 3.3 / 2.8 / 2.1 / 3.8 ms on the int4 a8
+// head; 4096 chunks of 64 rows had run slower than one thread).
+constexpr int64_t kNkChunksPerWorker = 4;
+// int8-activation weights smaller than this run on the calling thread: waking the pool costs
+// more (a Gemma W4A8 decode step: 13.3 ms at 1 MiB against 14.3 at 128 KiB or with every call
+// threaded); every Gemma 270M int4 projection (<= 655 KB) is below it.
+constexpr int64_t kSerialBytes = 1 << 20;
+// The same for bf16 'kn' weights: two threads on XLA's pool measured slower below it
+// (640 x 2048: 119 us against 75).
+constexpr int64_t kSerialBytesBf16 = 4 << 20;
+
+// Threads that can run chunks: the pool's plus the caller.
+inline int64_t Workers(ffi::ThreadPool& pool) {
+  return std::max<int64_t>(1, pool.num_threads() + 1);
+}
 
 // Runs fn(chunk) for chunk in [0, n) on the caller plus the pool's threads. Chunks are taken
 // from a shared counter, and the caller waits only for chunks already claimed, so a helper
@@ -176,8 +191,7 @@ void KnDriver(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64
   const int64_t gs = G > 1 ? K / G : K;
   const int64_t kb = kKBlock;
   const int64_t strips = (N + kStrip - 1) / kStrip;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads() + 1);
-  const int64_t chunks = std::min(strips, 2 * threads);
+  const int64_t chunks = std::min(strips, 2 * Workers(pool));
   ParallelFor(pool, chunks, [&](int64_t c) {
     const int64_t s0 = strips * c / chunks, s1 = strips * (c + 1) / chunks;
     for (int64_t b0 = 0; b0 < K; b0 += kb) {
@@ -234,10 +248,7 @@ inline void NkRow(const float* x, int64_t K, const uint8_t* row, int64_t G, cons
 template <typename L>
 void NkDriver(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
               const uint8_t* w, int64_t ld, int64_t G, const float* scale, float* y) {
-  // A few long ranges of rows (as NkA8Driver): 4096 chunks of 64 rows ran slower than one
-  // thread.
-  const int64_t workers = std::max<int64_t>(1, pool.num_threads() + 1);
-  const int64_t chunks = std::min<int64_t>(N, 4 * workers);
+  const int64_t chunks = std::min<int64_t>(N, kNkChunksPerWorker * Workers(pool));
   ParallelFor(pool, chunks, [&](int64_t c) {
     for (int64_t n = N * c / chunks; n < N * (c + 1) / chunks; ++n) {
       const float* s = G > 0 ? scale + n * G : nullptr;
@@ -410,12 +421,6 @@ inline void KnA8Tile(const int8_t* q, int64_t K, const float* sa, const int32_t*
   }
 }
 
-// Weights smaller than this run on the calling thread: waking the pool costs more (a Gemma
-// W4A8 decode step: 13.3 ms at 1 MiB against 14.3 at 128 KiB or with every call threaded).
-// nk: row ranges per worker (1 / 2 / 4 / 16 measured 3.3 / 2.8 / 2.1 / 3.8 ms on the int4 head).
-constexpr int64_t kNkChunksPerWorker = 4;
-constexpr int64_t kSerialBytes = 1 << 20;  // every Gemma 270M int4 projection (<= 655 KB)
-
 template <bool kI4>
 void KnA8Driver(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N,
                 const uint8_t* w, int64_t ld, int64_t G, const float* scale, float* y) {
@@ -429,7 +434,7 @@ void KnA8Driver(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int
   constexpr int64_t cols = kI4 ? 128 : 64;
   constexpr int MBMAX = 2;
   const int64_t strips = (N + cols - 1) / cols;
-  const int64_t threads = K * ld < kSerialBytes ? 1 : std::max<int64_t>(1, pool.num_threads() + 1);
+  const int64_t threads = K * ld < kSerialBytes ? 1 : Workers(pool);
   const int64_t chunks = std::min(strips, threads == 1 ? 1 : 4 * threads);
   // A block longer than kA8Part rows (per-channel int8: the whole K) is walked in parts, so
   // that memory is read in runs of whole rows, not a column strip down the matrix.
@@ -532,8 +537,8 @@ void NkA8Driver(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int
   if (kI4) SplitEvenOdd(q.get(), M, K);
   // A few long ranges of rows (a thread streams each one), not many short ones: 4096 chunks of
   // 64 rows ran the Gemma head 1.6x slower than one thread did.
-  const int64_t workers = std::max<int64_t>(1, pool.num_threads() + 1);
-  const int64_t chunks = N * ld < kSerialBytes ? 1 : std::min<int64_t>(N, kNkChunksPerWorker * workers);
+  const int64_t chunks =
+      N * ld < kSerialBytes ? 1 : std::min<int64_t>(N, kNkChunksPerWorker * Workers(pool));
   constexpr int MBMAX = 4;
   auto body = [&](int64_t c) {
     const int64_t n0 = N * c / chunks, n1 = N * (c + 1) / chunks;
@@ -643,8 +648,7 @@ void KnBf16DpDriver(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K,
   std::memset(y, 0, sizeof(float) * M * N);
   constexpr int64_t cols = 64, kb = 128;
   const int64_t strips = (N + cols - 1) / cols;
-  // Serial up to 4 MiB: two threads on XLA's pool measured slower (640 x 2048: 119 us against 75).
-  const int64_t threads = 2 * K * N < (4 << 20) ? 1 : std::max<int64_t>(1, pool.num_threads() + 1);
+  const int64_t threads = 2 * K * N < kSerialBytesBf16 ? 1 : Workers(pool);
   const int64_t chunks = std::min(strips, threads == 1 ? 1 : 4 * threads);
   auto body = [&](int64_t c) {
     const int64_t s0 = strips * c / chunks, s1 = strips * (c + 1) / chunks;
