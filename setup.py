@@ -11,7 +11,7 @@ setup(
     # The vendored corpora (qjax.data.corpus) and their provenance/licence README.
     package_data={'qjax.data': ['corpora/README.md', 'corpora/*/*.txt'],
                   # The optional CPU kernel's source (`python -m qjax.kernels.build`).
-                  'qjax.kernels': ['gemv.cc']},
+                  'qjax.kernels': ['gemv.cc', 'gemv_*.inc']},
     python_requires='>=3.11',
     install_requires=[
         # Lower bounds only: jax 0.10 (Python 3.11) and 0.11/0.12 (Python 3.12) both work.
