@@ -4,11 +4,16 @@
 f32 accumulation and group scales, reading each weight byte once: the path XLA:CPU lacks
 (it widens a quantized weight into a float copy before every dot). With `act='int8'` the
 activations are quantized inside the kernel (per row and weight group, `qeinsum`'s 'int8'
-numerics) and multiplied on AVX-512 VNNI integer dots: the W8A8 / W4A8 decode path, ~2x
-faster than widening the codes to f32 (README, "Performance"). Built by
-`python -m qjax.kernels.build` (the install step runs it); when the library is missing,
-fails to load, or `QJAX_CPU_KERNEL=0` is set, `available()` is False and qjax uses its XLA
-paths. This package imports nothing else from qjax.
+numerics) and multiplied on integer dots: the W8A8 / W4A8 decode path, ~2x faster than
+widening the codes to f32 (README, "Performance"). Built by `python -m qjax.kernels.build`
+(the install step runs it); when the library is missing, fails to load, or
+`QJAX_CPU_KERNEL=0` is set, `available()` is False and qjax uses its XLA paths. This package
+imports nothing else from qjax.
+
+Two instruction sets, chosen when it is compiled (`-march=native`; `isa()` says which), with
+the same forms, layouts and numerics: 'avx512' (AVX-512 F/BW/VL/VNNI: vpdpbusd integer dots,
+AVX-512 BF16 dots for 'kn' bf16 where the CPU has them) and 'avx2' (AVX2 + FMA: vpmaddubsw +
+vpmaddwd integer dots, bf16 widened to f32). A CPU with neither does not build it.
 
 Layouts: 'kn' weights are (K, N), contracted axis first (every projection); 'nk' weights are
 (N, K), contracted axis last (the tied head 'BTD,VD->BTV'). int4 codes are qjax's packing
@@ -26,7 +31,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ['KINDS', 'LAYOUTS', 'LIBRARY', 'available', 'gemv', 'status']
+__all__ = ['KINDS', 'LAYOUTS', 'LIBRARY', 'available', 'gemv', 'isa', 'status']
 
 # Where `python -m qjax.kernels.build` writes the library (build.py names the same path; it
 # is not imported here, so running it as a script does not import this package's state).
@@ -36,7 +41,7 @@ KINDS = ('int8', 'int4', 'bf16')
 LAYOUTS = ('kn', 'nk')
 _SYMBOLS = {('kn', 'int8'): 'QjaxKnI8', ('kn', 'int4'): 'QjaxKnI4', ('kn', 'bf16'): 'QjaxKnBf16',
             ('nk', 'int8'): 'QjaxNkI8', ('nk', 'int4'): 'QjaxNkI4', ('nk', 'bf16'): 'QjaxNkBf16',
-            # int8 activations (qeinsum's 'int8' numerics) on VNNI integer dots
+            # int8 activations (qeinsum's 'int8' numerics) on integer dots
             ('kn', 'int8_a8'): 'QjaxKnI8A8', ('kn', 'int4_a8'): 'QjaxKnI4A8',
             ('nk', 'int8_a8'): 'QjaxNkI8A8', ('nk', 'int4_a8'): 'QjaxNkI4A8'}
 _LOCK = threading.Lock()
@@ -64,9 +69,12 @@ def _load() -> Optional[str]:
     else:
       try:
         lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
+        isa_fn = lib.QjaxGemvIsa
+        isa_fn.restype = ctypes.c_char_p
         for (layout, kind), sym in _SYMBOLS.items():
           jax.ffi.register_ffi_target(f'qjax_gemv_{layout}_{kind}',
                                       jax.ffi.pycapsule(getattr(lib, sym)), platform='cpu')
+        _STATE['isa'] = isa_fn().decode()
       except Exception as e:  # pylint: disable=broad-except
         reason = f'failed to load ({type(e).__name__}: {e})'
     _STATE['reason'] = reason
@@ -83,6 +91,12 @@ def status() -> str:
   return _load() or 'available'
 
 
+def isa() -> Optional[str]:
+  """The instruction set the loaded kernel was built for, 'avx512' or 'avx2'; None when the
+  kernel is not available (`status()` says why)."""
+  return _STATE.get('isa') if _load() is None else None
+
+
 def gemv(x_MK: jax.Array, w: jax.Array, scale: Optional[jax.Array], layout: str,
          kind: str, act: Optional[str] = None) -> jax.Array:
   """`x @ W` on the CPU kernel, in f32.
@@ -96,7 +110,7 @@ def gemv(x_MK: jax.Array, w: jax.Array, scale: Optional[jax.Array], layout: str,
     kind: 'int8', 'int4' or 'bf16'.
     act: None (f32 activations, weight-only numerics) or 'int8': activations quantized
       in the kernel per row and per group of scales (per row when G = 1), scale amax / 127,
-      round-half-even, +-127, integer dots (AVX-512 VNNI), rescaled in f32: the numerics of
+      round-half-even, +-127, exact integer dots, rescaled in f32: the numerics of
       qeinsum's 'int8' path. Needs K / G a multiple of 4 ('kn') or of 64 / 128 ('nk' int8 /
       int4).
 

@@ -1,6 +1,12 @@
 """The optional jax.ffi CPU kernel (qjax.kernels): against a numpy reference when it is
 available, and a clean, named refusal when it is not."""
 
+import os
+import pathlib
+import platform
+import shutil
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,38 +25,103 @@ def test_status_names_the_state():
   assert s == 'available' or any(w in s for w in ('not built', 'failed', 'disabled'))
 
 
-@pytest.mark.parametrize('m', [1, 5, 16])
-def test_kernel_matches_numpy(m):
-  x = np.asarray(jax.random.normal(KEY[0], (m, 192)), np.float32)
-  w = jax.random.normal(KEY[1], (192, 70)) / 8
+def _cpu_flags():
+  """The CPU's feature flags (/proc/cpuinfo), or None off Linux x86-64."""
+  if sys.platform != 'linux' or platform.machine() not in ('x86_64', 'AMD64'):
+    return None
+  try:
+    text = pathlib.Path('/proc/cpuinfo').read_text()
+  except OSError:
+    return None
+  line = next((ln for ln in text.splitlines() if ln.startswith('flags')), '')
+  return set(line.partition(':')[2].split())
+
+
+def test_kernel_is_built_where_the_cpu_can_run_it(tmp_path):
+  # Every test below returns early without the kernel, so a kernel that stopped building on
+  # an AVX2 machine (CI's, most laptops) would otherwise pass silently.
+  flags = _cpu_flags()
+  if (flags is None or not {'avx2', 'fma'} <= flags or os.environ.get('QJAX_CPU_KERNEL') == '0'
+      or not (os.environ.get('CXX') or shutil.which('g++'))):
+    pytest.skip('needs Linux x86-64 with AVX2 + FMA and g++')
+  from qjax.kernels import build
+  if kernels.LIBRARY.with_suffix('.jax').is_file() and (
+      kernels.LIBRARY.with_suffix('.jax').read_text().strip() == jax.__version__):
+    assert kernels.available(), kernels.status()
+    avx512 = {'avx512f', 'avx512bw', 'avx512vl', 'avx512_vnni'} <= flags
+    assert kernels.isa() == ('avx512' if avx512 else 'avx2')
+  else:  # not built for this jax (no `make install` here): the source must compile
+    assert build.build(verbose=False, library=tmp_path / 'libqjax_gemv.so')
+
+
+def _padded(scale_GN, n_padded):
+  """Scales for a packed int4 'kn' weight of odd N: the kernel's N is the padded length."""
+  s = np.asarray(scale_GN, np.float32)
+  return jnp.asarray(np.pad(s, [(0, 0), (0, n_padded - s.shape[1])], constant_values=1.0))
+
+
+@pytest.mark.parametrize('m,n', [(1, 70), (5, 33), (16, 70), (3, 1)])
+def test_kernel_matches_numpy(m, n):
+  x = np.asarray(jax.random.normal(KEY[0], (m, 256)), np.float32)
+  w = jax.random.normal(KEY[1], (256, n)) / 8
   q8 = quantize(w, int_format(8, channel_axes=(1,)))
-  q4 = quantize(w, int_format(4, group_size=64, channel_axes=(1,)))
   wb = w.astype(jnp.bfloat16)
   if not kernels.available():
+    assert kernels.isa() is None
     with pytest.raises(RuntimeError, match='check available'):
       kernels.gemv(x, q8.data, q8.scale, 'kn', 'int8')
     with pytest.raises(ValueError, match="path='kernel'"):
       qjax.qdot(x, q8, path='kernel')
     return
+  x64 = x.astype(np.float64)
   # numpy reference: codes times scales, f64 sums.
-  ref8 = x.astype(np.float64) @ (np.asarray(q8.codes(), np.float64) * np.asarray(q8.scale))
-  y8 = kernels.gemv(x, q8.data, q8.scale, 'kn', 'int8')
-  np.testing.assert_allclose(y8, ref8, rtol=1e-4, atol=1e-4)
-  c4 = np.asarray(q4.codes(), np.float64).reshape(3, 64, 70)
-  ref4 = x.astype(np.float64) @ (c4 * np.asarray(q4.scale)[:, None, :]).reshape(192, 70)
-  y4 = kernels.gemv(x, q4.data, q4.scale, 'kn', 'int4')
-  assert y4.shape == (m, 70)
-  np.testing.assert_allclose(y4, ref4, rtol=1e-4, atol=1e-4)
-  refb = x.astype(np.float64) @ np.asarray(wb.astype(jnp.float32), np.float64)
+  ref8 = x64 @ (np.asarray(q8.codes(), np.float64) * np.asarray(q8.scale))
+  np.testing.assert_allclose(kernels.gemv(x, q8.data, q8.scale, 'kn', 'int8'), ref8,
+                             rtol=1e-4, atol=1e-4)
+  for g in (32, 64, 128):
+    q4 = quantize(w, int_format(4, group_size=g, channel_axes=(1,)))
+    c4 = np.asarray(q4.codes(), np.float64).reshape(256 // g, g, n)
+    ref4 = x64 @ (c4 * np.asarray(q4.scale)[:, None, :]).reshape(256, n)
+    y4 = kernels.gemv(x, q4.data, _padded(q4.scale, 2 * q4.data.shape[1]), 'kn', 'int4')
+    assert y4.shape == (m, n + n % 2)
+    np.testing.assert_allclose(y4[:, :n], ref4, rtol=1e-4, atol=1e-4)
+  refb = x64 @ np.asarray(wb.astype(jnp.float32), np.float64)
   np.testing.assert_allclose(kernels.gemv(x, wb, None, 'kn', 'bf16'), refb, rtol=1e-4, atol=1e-4)
   # the head layout 'nk': W (N, K), contracted last
-  qh = quantize(w.T, int_format(4, group_size=32, channel_axes=(0,), group_axis=1))
-  ch = np.asarray(qh.codes(), np.float64).reshape(70, 6, 32) * np.asarray(qh.scale)[:, :, None]
-  refh = x.astype(np.float64) @ ch.reshape(70, 192).T
-  np.testing.assert_allclose(kernels.gemv(x, qh.data, qh.scale, 'nk', 'int4'), refh,
+  for g in (32, 64, 128):
+    qh = quantize(w.T, int_format(4, group_size=g, channel_axes=(0,), group_axis=1))
+    ch = np.asarray(qh.codes(), np.float64).reshape(n, 256 // g, g) * np.asarray(qh.scale)[:, :, None]
+    np.testing.assert_allclose(kernels.gemv(x, qh.data, qh.scale, 'nk', 'int4'),
+                               x64 @ ch.reshape(n, 256).T, rtol=1e-4, atol=1e-4)
+  qh8 = quantize(w.T, int_format(8, channel_axes=(0,)))
+  np.testing.assert_allclose(kernels.gemv(x, qh8.data, qh8.scale, 'nk', 'int8'), ref8,
                              rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(kernels.gemv(x, wb.T, None, 'nk', 'bf16'), refb, rtol=1e-4,
                              atol=1e-4)
+
+
+def test_kernel_propagates_nan_and_zero_rows():
+  if not kernels.available():
+    assert kernels.status() != 'available'
+    return
+  w = jax.random.normal(KEY[2], (128, 45))
+  x = np.array(jax.random.normal(KEY[3], (3, 128)), np.float32)
+  x[1, 5] = np.nan
+  x[2] = 0.0
+  q8 = quantize(w, int_format(8, channel_axes=(1,)))
+  q4 = quantize(w, int_format(4, group_size=32, channel_axes=(1,)))
+  wb = w.astype(jnp.bfloat16)
+  qh = quantize(w.T, int_format(4, group_size=32, channel_axes=(0,), group_axis=1))
+  qh8 = quantize(w.T, int_format(8, channel_axes=(0,)))
+  ys = [kernels.gemv(x, q8.data, q8.scale, 'kn', 'int8'),
+        kernels.gemv(x, q4.data, _padded(q4.scale, 46), 'kn', 'int4')[:, :45],
+        kernels.gemv(x, wb, None, 'kn', 'bf16'), kernels.gemv(x, wb.T, None, 'nk', 'bf16'),
+        kernels.gemv(x, qh.data, qh.scale, 'nk', 'int4'),
+        kernels.gemv(x, q8.data, q8.scale, 'kn', 'int8', act='int8'),
+        kernels.gemv(x, qh8.data, qh8.scale, 'nk', 'int8', act='int8')]
+  for y in map(np.asarray, ys):
+    assert y.shape == (3, 45)
+    assert np.isfinite(y[0]).all() and np.isnan(y[1]).all() and (y[2] == 0).all()
 
 
 def test_explicit_kernel_path_and_its_limits():
@@ -83,29 +154,49 @@ def _int8_act_reference(x, codes_KN, scale_GN):
   return np.einsum('mgn,mg,gn->mn', dots, sx[:, :, 0], np.asarray(scale_GN, np.float64))
 
 
-@pytest.mark.parametrize('m', [1, 3, 16])
-def test_int8_activation_kernel_matches_a_numpy_reference(m):
+@pytest.mark.parametrize('m,n', [(1, 70), (3, 33), (16, 70)])
+def test_int8_activation_kernel_matches_a_numpy_reference(m, n):
   x = np.asarray(jax.random.normal(KEY[0], (m, 256)), np.float32)
-  w = jax.random.normal(KEY[1], (256, 70)) / 8
-  cases = [(quantize(w, int_format(8, channel_axes=(1,))), 'int8'),
+  w = jax.random.normal(KEY[1], (256, n)) / 8
+  cases = [(quantize(w, int_format(8, channel_axes=(1,))), 'int8'),  # 2 parts of 128 rows
+           (quantize(w, int_format(8, group_size=64, channel_axes=(1,))), 'int8'),
            (quantize(w, int_format(4, group_size=128, channel_axes=(1,))), 'int4'),
+           (quantize(w, int_format(4, group_size=64, channel_axes=(1,))), 'int4'),
            (quantize(w, int_format(4, group_size=32, channel_axes=(1,))), 'int4')]
   if not kernels.available():
     with pytest.raises(RuntimeError, match='check available'):
       kernels.gemv(x, cases[0][0].data, cases[0][0].scale, 'kn', 'int8', act='int8')
     return
   for q, kind in cases:
-    s = np.broadcast_to(np.asarray(q.scale), (q.scale.shape[0], 70))
+    s = np.broadcast_to(np.asarray(q.scale), (q.scale.shape[0], n))
     ref = _int8_act_reference(x, q.codes(), s)
-    y = kernels.gemv(x, q.data, jnp.asarray(s), 'kn', kind, act='int8')
-    assert y.shape == (m, 70)
-    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-  # the head layout (V, D): groups of 128 along D (int4 needs 128, int8 64)
-  for bits in (8, 4):
-    qh = quantize(w.T, int_format(bits, group_size=128, channel_axes=(0,), group_axis=1))
+    y = kernels.gemv(x, q.data, _padded(s, q.data.shape[1] * (2 if kind == 'int4' else 1)),
+                     'kn', kind, act='int8')
+    assert y.shape[0] == m
+    np.testing.assert_allclose(y[:, :n], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+  # the head layout (V, D): groups of 64 / 128 along D (int4 needs 128, int8 64)
+  for bits, g in ((8, None), (8, 64), (4, 128)):
+    qh = quantize(w.T, int_format(bits, group_size=g, channel_axes=(0,), group_axis=1))
     ref = _int8_act_reference(x, np.asarray(qh.codes()).T, np.asarray(qh.scale).T)
     y = kernels.gemv(x, qh.data, qh.scale, 'nk', f'int{bits}', act='int8')
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_int8_activation_kernel_on_threaded_shapes():
+  # weights of >= 1 MiB run on XLA's thread pool (smaller ones on the calling thread)
+  if not kernels.available():
+    return
+  x = np.asarray(jax.random.normal(KEY[4], (2, 1024)), np.float32)
+  w = jax.random.normal(KEY[5], (1024, 1040)) / 8
+  q = quantize(w, int_format(8, channel_axes=(1,)))
+  ref = _int8_act_reference(x, q.codes(), np.asarray(q.scale))
+  y = kernels.gemv(x, q.data, q.scale, 'kn', 'int8', act='int8')
+  np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+  qh = quantize(jnp.concatenate([w.T, w.T]), int_format(4, group_size=128, channel_axes=(0,),
+                                                        group_axis=1))
+  ref = _int8_act_reference(x, np.asarray(qh.codes()).T, np.asarray(qh.scale).T)
+  y = kernels.gemv(x, qh.data, qh.scale, 'nk', 'int4', act='int8')
+  np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 def test_int8_activation_kernel_propagates_nan_and_zero_rows():
