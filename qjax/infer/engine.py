@@ -5,13 +5,26 @@
     for request_id, token in engine.stream(prompts, params): ...
     engine.stats   # steps, prefill tokens computed, compilations, waste, prefix hits
 
-One step is one jitted function of (model state, tokens_BT, cache, last_B, sampling): it
-embeds, runs every block against the paged cache (`qjax.infer.paged`), takes each row's last
-fed position, and samples (`qjax.infer.sampling.sample`, per-row seeds). B is fixed
-(`max_batch` rows, idle rows padded) and T is padded to the smallest of a few buckets (1 for
-pure decode steps, then powers of two up to `chunk_size`), so the step compiles at most
-once per bucket. Before each step the host checks every row's write against its pages and
-the context (`paged.check_step`), so an overflow is an error naming the request.
+One step is one jitted function of (model state, tokens, cache, last_B, sampling): it runs
+every block against the paged cache (`qjax.infer.paged`), takes each sequence's last fed
+token, and samples (`qjax.infer.sampling.sample`, per-row seeds; an all-greedy step without
+a repetition penalty takes `argmax_last` and skips the sampler's passes over the 262k-entry
+vocabulary, ~25x cheaper on CPU). A step's tokens are laid out one of two ways:
+
+- packed, tokens (N, 1), when they number at most `max_batch + chunk_size` (decodes, or
+  decodes beside one prompt chunk: the common step of continuous batching). One cache row
+  per token (its sequence's block table, its own position), so the step computes the tokens
+  it feeds and nothing else: no decode row padded to the chunk's length, no idle row. Every
+  token writes its K/V before any attends, so a chunk's tokens see each other through the
+  pages, under the causal mask. N is padded to `max_batch` (pure decode) or
+  `max_batch + chunk_size`.
+- padded, tokens (max_batch, chunk_size), one row per sequence, when several chunks share
+  the step (a burst of arrivals, a static batch's prefill): each token costs less there (one
+  page walk per sequence, not per token), which beats the padding once most rows prefill.
+
+So the step compiles at most three times (two packed sizes and the padded one). Before each
+step the host checks every sequence's write against its pages and the context
+(`paged.check_step`), so an overflow is an error naming the request.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ from qjax.infer.sampling import SamplingBatch, SamplingParams, finish_reason, ro
 from qjax.infer.scheduler import PREEMPTION_MODES, Scheduler
 from qjax.infer.scheduler import Sequence as SeqState
 from qjax.nn.attention import kv_format
+from qjax.nn.generate import argmax_last
 from qjax.nn.kvcache import check_format
 
 
@@ -101,16 +115,22 @@ class EngineStats:
     return 1 - self.used_slots / max(self.contiguous_slots, 1)
 
 
-def _buckets(chunk: int) -> tuple[int, ...]:
-  sizes = {1, chunk}
-  t = 8
-  while t < chunk:
-    sizes.add(t)
-    t *= 4
-  return tuple(sorted(sizes))
+def _buckets(max_batch: int, chunk: int) -> tuple[tuple[int, int], ...]:
+  """Token shapes of the step (module docstring): packed (N, 1) for decodes alone and for
+  decodes + a chunk, then padded (max_batch, chunk) when more tokens than that can come."""
+  packed = sorted({max_batch, max_batch + chunk if chunk > 1 else max_batch})
+  padded = [(max_batch, chunk)] if max_batch * chunk > packed[-1] else []
+  return tuple((n, 1) for n in packed) + tuple(padded)
 
 
 _TRACES = [0]  # how often `_step` was traced (= compiled), over every engine
+
+
+def _greedy(logits_BV):
+  """Greedy tokens and their model log-probabilities, as `sample` gives for greedy rows."""
+  tok_B = argmax_last(logits_BV)
+  lse_B = jax.nn.logsumexp(logits_BV, axis=-1)
+  return tok_B, jnp.take_along_axis(logits_BV, tok_B[:, None], axis=-1)[:, 0] - lse_B
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3,))
@@ -118,9 +138,14 @@ def _step(graphdef, state, tokens_BT, cache, last_B, params, position_B, seen_BV
   _TRACES[0] += 1  # runs only while tracing
   model = nnx.merge(graphdef, state)
   x_BTD, cache = paged.forward(model, tokens_BT, cache)
-  x_B1D = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)
+  x_B1D = x_BTD.reshape(-1, 1, x_BTD.shape[-1])[last_B]  # last_B: flat (row * T + t) indices
   logits_BV = model.logits(x_B1D)[:, 0]
-  tok_B, logprob_B = sample(logits_BV, params, row_keys(params.seed_B, position_B), seen_BV)
+  draw = lambda x: sample(x, params, row_keys(params.seed_B, position_B), seen_BV)
+  if seen_BV is not None:  # the penalty changes the argmax: the general path
+    tok_B, logprob_B = draw(logits_BV)
+  else:
+    tok_B, logprob_B = jax.lax.cond(jnp.all(params.temperature_B == 0), _greedy, draw,
+                                    logits_BV)
   return tok_B, logprob_B, cache
 
 
@@ -168,6 +193,7 @@ class Engine:
     self.allocator = paged.PageAllocator(config.num_pages)
     self.ring_allocator = paged.PageAllocator(num_ring) if ring else None
     self.prefix_cache = PrefixCache(self.allocator, p) if config.prefix_caching else None
+    self.buckets = _buckets(config.max_batch, config.chunk_size)
     self.scheduler = Scheduler(max_batch=config.max_batch, chunk_size=config.chunk_size,
                                page_size=p, max_pages=self.max_pages, max_len=self.max_len,
                                allocator=self.allocator, ring_allocator=self.ring_allocator,
@@ -185,7 +211,6 @@ class Engine:
         self.state = jax.device_put(self.state,
                                     sharding.state_shardings(self.state, rules, mesh))
     self.mesh = mesh
-    self.buckets = _buckets(config.chunk_size)
     self.stats = EngineStats()
     self._traces_before = _TRACES[0]
     self._ids = itertools.count()
@@ -252,7 +277,8 @@ class Engine:
     return self._run_plan(self.scheduler.schedule())
 
   def _feed_draft(self, tokens_BT, table, ring, length, num_new) -> None:
-    """Hook: the same step's tokens for a draft model's cache (`SpeculativeEngine`)."""
+    """Hook: the same step's tokens and cache rows (packed or padded, the module docstring)
+    for a draft model's cache (`SpeculativeEngine`)."""
 
   def _run_plan(self, plan) -> list[tuple[str, int]]:
     """One batched step of `plan` (the scheduler's)."""
@@ -262,30 +288,43 @@ class Engine:
                            'be admitted into an idle engine; this is a scheduler bug.')
       return []
     b, p = self.config.max_batch, self.config.page_size
-    t = next(x for x in self.buckets if x >= max(plan.num_new))
-    tokens = np.zeros((b, t), np.int32)
-    table = np.zeros((b, self.max_pages), np.int32)
-    ring = np.zeros(self.cache.ring_table.shape, np.int32)
-    length, position = np.zeros(b, np.int32), np.zeros(b, np.int32)
-    names, params = [], [SamplingParams(temperature=0.0)] * b
+    rows, t = next((x for x in self.buckets if x[1] == 1 and x[0] >= sum(plan.num_new)),
+                   self.buckets[-1])
+    packed = t == 1 and rows >= sum(plan.num_new)
+    # Packed: one cache row per fed token; padded: one per sequence. Rows (or slots) past
+    # the fed tokens are padding: sink pages, num_new 0.
+    tokens = np.zeros((rows, t), np.int32)
+    table = np.zeros((rows, self.max_pages), np.int32)
+    ring = np.zeros((rows, self.cache.ring_table.shape[1]), np.int32)
+    length, num_new = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    last, position = np.zeros(b, np.int32), np.zeros(b, np.int32)
+    names, params, at = [], [SamplingParams(temperature=0.0)] * b, 0
     for row, (seq, n) in enumerate(zip(plan.rows, plan.num_new)):
-      if seq is None:
+      if seq is None or not n:
         continue
-      tokens[row, :n] = seq.tokens[seq.num_cached:seq.num_cached + n]
-      table[row, :len(seq.pages)] = seq.pages
-      ring[row, :len(seq.ring_pages)] = seq.ring_pages
-      length[row], position[row], params[row] = seq.num_cached, len(seq.output), seq.params
+      fed = seq.tokens[seq.num_cached:seq.num_cached + n]
+      if packed:
+        at, r = at + n, slice(at, at + n)
+        tokens[r, 0], length[r], num_new[r] = fed, seq.num_cached + np.arange(n), 1
+        last[row] = at - 1
+      else:
+        r = row
+        tokens[r, :n], length[r], num_new[r] = fed, seq.num_cached, n
+        last[row] = row * t + n - 1
+      table[r, :len(seq.pages)] = seq.pages
+      ring[r, :len(seq.ring_pages)] = seq.ring_pages
+      position[row], params[row] = len(seq.output), seq.params
       names.append(seq.id)
       if len(seq.tokens) - seq.num_cached > 1 or not seq.output:
         self.stats.prefill_tokens += n
       else:
         self.stats.decode_tokens += n
-    live = [r for r, s in enumerate(plan.rows) if s is not None]
-    paged.check_step(names, length[live], np.asarray(plan.num_new)[live],
-                     [len(plan.rows[r].pages) for r in live], p, self.max_len)
-    last = np.maximum(np.asarray(plan.num_new) - 1, 0)
-    self.cache = paged.with_step(self.cache, table, ring, length, plan.num_new)
-    self._feed_draft(tokens, table, ring, length, plan.num_new)
+    live = [r for r, s in enumerate(plan.rows) if s is not None and plan.num_new[r]]
+    paged.check_step(names, [plan.rows[r].num_cached for r in live],
+                     [plan.num_new[r] for r in live], [len(plan.rows[r].pages) for r in live],
+                     p, self.max_len)
+    self.cache = paged.with_step(self.cache, table, ring, length, num_new)
+    self._feed_draft(tokens, table, ring, length, num_new)
     seen = None  # the repetition penalty's tokens seen (prompt and output), when one asks
     if any(prm.repetition_penalty != 1 for prm in params):
       seen = np.zeros((b, self.model.config.vocab_size), bool)
@@ -305,6 +344,22 @@ class Engine:
       if seq is not None and seq.params.logprobs and seq.id in sampled:
         seq.logprobs.append(logprobs[row])
     return events
+
+  def compile_buckets(self) -> int:
+    """Run the step once at every bucket shape on padding only (every write goes to the sink
+    page), so later steps never compile; returns this engine's compilations so far."""
+    b = self.config.max_batch
+    params = SamplingBatch.stack([SamplingParams(temperature=0.0)] * b)
+    for rows, t in self.buckets:
+      zeros = lambda *shape: np.zeros(shape, np.int32)
+      self.cache = paged.with_step(self.cache, zeros(rows, self.max_pages),
+                                   zeros(rows, self.cache.ring_table.shape[1]), zeros(rows),
+                                   zeros(rows))
+      out = _step(self.graphdef, self.state, jnp.asarray(zeros(rows, t)), self.cache,
+                  jnp.asarray(zeros(b)), params, jnp.asarray(zeros(b)), None)
+      self.cache = jax.block_until_ready(out)[2]
+    self.stats.compilations = _TRACES[0] - self._traces_before
+    return self.stats.compilations
 
   def _account(self, plan) -> None:
     """Slots summed over layers: ring layers hold at most their ring of each sequence."""
@@ -380,6 +435,11 @@ class Engine:
   def output(self, request_id: str) -> list[int]:
     """Tokens generated so far for `request_id`."""
     return self._seqs[str(request_id)].output
+
+  def prefix_hit_tokens(self, request_id: str) -> int:
+    """Prompt positions `request_id` took from the prefix cache when last admitted (0: a
+    miss, or no prefix caching); a recompute preemption resets it."""
+    return self._seqs[str(request_id)].prefix_hit_tokens
 
   def logprobs(self, request_id: str) -> list[float]:
     """Model log-probabilities of the generated tokens (requests with `logprobs=True`)."""

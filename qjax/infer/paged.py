@@ -258,8 +258,11 @@ def init_paged_cache(config: TransformerConfig, *, num_pages: int, page_size: in
 
 
 def with_step(cache: PagedKVCache, block_table, ring_table, length, num_new) -> PagedKVCache:
-  """The cache with this step's tables and lengths (host arrays; shapes must stay the same)."""
-  arr = lambda x, like: jnp.asarray(np.asarray(x, np.int32).reshape(like.shape))
+  """The cache with this step's tables and lengths (host arrays). The number of rows may
+  change from step to step (a packed step has one row per token); a table's width may not.
+  """
+  rows = len(length)
+  arr = lambda x, like: jnp.asarray(np.asarray(x, np.int32).reshape((rows,) + like.shape[1:]))
   return dataclasses.replace(cache, block_table=arr(block_table, cache.block_table),
                              ring_table=arr(ring_table, cache.ring_table),
                              length=arr(length, cache.length), num_new=arr(num_new, cache.num_new))

@@ -36,6 +36,8 @@ COLUMNS = (('variant', 'variant'), ('max_batch', 'B'), ('num_pages', 'pages'),
            ('ttft_p50', 'TTFT p50 s'), ('ttft_p90', 'TTFT p90 s'), ('ttft_p99', 'TTFT p99 s'),
            ('itl_p50', 'ITL p50 s'), ('itl_p90', 'ITL p90 s'), ('itl_p99', 'ITL p99 s'),
            ('ttft_shared_mean', 'TTFT system-prompt requests s'),
+           ('ttft_hits_of_prefix_row', 'TTFT of the prefix row\'s hits s'),
+           ('prefix_hit_requests', 'prefix-hit requests'),
            ('prefix_hit_rate', 'prefix hit rate'), ('prefill_tokens', 'prefill tokens'),
            ('preemptions', 'preemptions'), ('note', 'note'))
 
@@ -56,11 +58,7 @@ def _longest_pages(trace: Sequence[TraceRequest], page_size: int) -> int:
 
 def warm_up(model, config: EngineConfig, tokenizer=None) -> int:
   """Compile every step bucket of `config` on a throwaway engine; returns compilations."""
-  engine = Engine(model, config, tokenizer)
-  for t in engine.buckets:  # a prompt of t tokens feeds bucket t, then decodes at T = 1
-    n = max(t, 2)
-    engine.generate([[1] * n], SamplingParams(temperature=0.0, max_tokens=2))
-  return engine.stats.compilations
+  return Engine(model, config, tokenizer).compile_buckets()
 
 
 def compare(model, trace: Sequence[TraceRequest], config: EngineConfig,
@@ -113,19 +111,43 @@ def compare(model, trace: Sequence[TraceRequest], config: EngineConfig,
     if static:
       row['note'] = 'padded to the longest prompt, run to the longest output'
     rows.append(row)
-    log({k: v for k, v in row.items() if k != 'outputs'})
+    log({k: v for k, v in row.items() if k not in PER_REQUEST})
+  _ttft_of_prefix_hits(rows)
   return rows
 
 
+PER_REQUEST = ('outputs', 'ttft_by_request', 'prefix_hits')  # row keys holding {id: value}
+
+
+def _ttft_of_prefix_hits(rows: list[dict]) -> None:
+  """Give every row 'ttft_hits_of_prefix_row': its mean TTFT over the requests that hit the
+  prefix cache in the 'prefix' row (the same requests in every row, so rows compare)."""
+  by = {r['variant']: r for r in rows}
+  if 'prefix' not in by:
+    return
+  hit_ids = [i for i, n in by['prefix']['prefix_hits'].items() if n > 0]
+  for r in rows:
+    ttft = r['ttft_by_request']
+    r['ttft_hits_of_prefix_row'] = (float(np.mean([ttft[i] for i in hit_ids])) if hit_ids
+                                    else float('nan'))
+
+
 def ratios(rows: Sequence[dict]) -> dict:
-  """The headline ratios between rows present: continuous / static throughput, TTFT of
-  system-prompt requests without / with prefix caching, sequences that fit vs float."""
+  """The headline ratios between rows present: continuous / static throughput; TTFT without
+  / with prefix caching, of the requests that hit the prefix cache (the target's measure)
+  and of every system-prompt request (its first one always misses); sequences that fit vs
+  float."""
   by = {r['variant']: r for r in rows}
   out = {}
   if 'continuous' in by and 'static' in by:
     out['throughput continuous / static'] = (by['continuous']['tokens_per_s'] /
                                              by['static']['tokens_per_s'])
   if 'continuous' in by and 'prefix' in by:
+    cont, pre = by['continuous'], by['prefix']
+    if 'ttft_hits_of_prefix_row' in pre:
+      out[f"TTFT of prefix-hit requests ({pre['prefix_hit_requests']}), no prefix caching / "
+          'prefix caching'] = (cont['ttft_hits_of_prefix_row'] /
+                               pre['ttft_hits_of_prefix_row'])
     out['TTFT of system-prompt requests, no prefix caching / prefix caching'] = (
         by['continuous']['ttft_shared_mean'] / by['prefix']['ttft_shared_mean'])
     out['outputs identical with prefix caching'] = (by['continuous']['outputs'] ==

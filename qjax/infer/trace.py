@@ -125,6 +125,7 @@ def replay(engine: Engine, trace: Sequence[TraceRequest], *, static: bool = Fals
   by_id = {r.id: r for r in trace}
   times: dict[str, list[float]] = {r.id: [] for r in trace}
   outputs: dict[str, list[int]] = {r.id: [] for r in trace}
+  hits: dict[str, int] = {}  # prompt positions each request took from the prefix cache
   now, peak_running, busy = 0.0, 0, 0.0
   while pending or engine.scheduler.has_work:
     if not engine.scheduler.has_work and pending[0].arrival > now:
@@ -153,9 +154,11 @@ def replay(engine: Engine, trace: Sequence[TraceRequest], *, static: bool = Fals
     busy += dt
     for rid, tok in events:
       if len(outputs[rid]) < by_id[rid].max_tokens:  # static: the rest is thrown away
+        if not outputs[rid]:  # read at the first token: a later readmission never matches
+          hits[rid] = engine.prefix_hit_tokens(rid)
         outputs[rid].append(tok)
         times[rid].append(now)
-  result = summarize(trace, times, engine, busy_seconds=busy)
+  result = summarize(trace, times, engine, busy_seconds=busy, prefix_hits=hits)
   result.update(peak_running=peak_running, outputs=outputs)
   return result
 
@@ -168,7 +171,8 @@ def percentiles(values: Sequence[float], prefix: str) -> dict:
 
 
 def summarize(trace: Sequence[TraceRequest], times: dict[str, list[float]],
-              engine: Optional[Engine] = None, busy_seconds: float = float('nan')) -> dict:
+              engine: Optional[Engine] = None, busy_seconds: float = float('nan'),
+              prefix_hits: Optional[dict[str, int]] = None) -> dict:
   """Throughput, time to first token and inter-token latency percentiles of one replay.
 
   Args:
@@ -176,13 +180,18 @@ def summarize(trace: Sequence[TraceRequest], times: dict[str, list[float]],
     times: per request id, the trace-clock time of each of its tokens.
     engine: the engine that served them (cache bytes, prefix hits, preemptions), or None.
     busy_seconds: time spent stepping (the rest of the span was idle).
+    prefix_hits: per request id, the prompt positions it took from the prefix cache (a hit
+      when > 0), or None (no prefix caching: no request hit).
 
   Returns:
     dict: requests, tokens, seconds (first arrival to last token), tokens_per_s,
     ttft_p50/p90/p99, itl_p50/p90/p99 (seconds), ttft_shared_mean / ttft_unshared_mean
-    (requests with / without the system prompt), busy_seconds, tokens_per_busy_s (tokens
-    per second of stepping: the capacity when the queue never empties), and with an engine:
-    cache_bytes, prefix_hit_rate, prefix_hit_tokens, preemptions, steps, compilations.
+    (requests with / without the system prompt), prefix_hit_requests and ttft_hit_mean
+    (the requests that hit the prefix cache, their mean TTFT), busy_seconds,
+    tokens_per_busy_s (tokens per second of stepping: the capacity when the queue never
+    empties), ttft_by_request and prefix_hits ({request id: seconds / positions}), and with
+    an engine: cache_bytes, prefix_hit_rate, prefix_hit_tokens, preemptions, steps,
+    compilations.
   """
   missing = [r.id for r in trace if len(times[r.id]) != r.max_tokens]
   if missing:
@@ -192,10 +201,14 @@ def summarize(trace: Sequence[TraceRequest], times: dict[str, list[float]],
   span = max(t[-1] for t in times.values()) - min(r.arrival for r in trace)
   tokens = sum(r.max_tokens for r in trace)
   mean = lambda xs: float(np.mean(xs)) if xs else float('nan')
+  prefix_hits = {r.id: int((prefix_hits or {}).get(r.id, 0)) for r in trace}
+  hit_ids = [rid for rid, n in prefix_hits.items() if n > 0]
   out = dict(requests=len(trace), tokens=tokens, seconds=span, tokens_per_s=tokens / span,
              **percentiles(list(ttft.values()), 'ttft'), **percentiles(itl, 'itl'),
              ttft_shared_mean=mean([ttft[r.id] for r in trace if r.shared]),
              ttft_unshared_mean=mean([ttft[r.id] for r in trace if not r.shared]),
+             prefix_hit_requests=len(hit_ids), ttft_hit_mean=mean([ttft[i] for i in hit_ids]),
+             ttft_by_request=ttft, prefix_hits=prefix_hits,
              busy_seconds=busy_seconds, tokens_per_busy_s=tokens / busy_seconds)
   if engine is not None:
     pc, st = engine.prefix_cache, engine.stats

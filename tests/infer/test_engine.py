@@ -38,7 +38,8 @@ def test_batched_outputs_equal_greedy_generation_alone(model):
   for prompt, n, out in zip(_prompts(), MAX_TOKENS, outs):
     assert out == _alone(model, prompt, n)
   st = engine.stats
-  assert 1 <= st.compilations <= len(engine.buckets) == 2  # T in {1, 8}
+  # Packed (2, 1) and (10, 1), padded (2, 8) for two chunks at once.
+  assert 1 <= st.compilations <= len(engine.buckets) == 3
   assert st.prefill_tokens == sum(PROMPT_LENS) and st.preemptions == 0
   assert st.decode_tokens == sum(MAX_TOKENS) - len(MAX_TOKENS)
   assert engine.allocator.num_free == 30  # every page returned
@@ -141,7 +142,7 @@ def test_sharded_engine_gives_the_unsharded_tokens(model, eight_devices):
   for pool in engine.cache.k + engine.cache.v:  # still split after the steps
     assert pool.sharding.spec[0] == ('x', 'y', 'z') and len(pool.sharding.device_set) == 8
   assert engine.ring_allocator.num_pages == 16  # 1 + 2 rings of 4 pages, rounded up
-  assert engine.stats.compilations <= 2
+  assert engine.stats.compilations <= len(engine.buckets) == 3
   with pytest.raises(ValueError, match='pool k\\[1\\] dim 0 \\(cache_batch\\) has 20 entries, '
                                        'which layout wg_xyz\\+mq_batch splits 8 ways'):
     Engine(model, EngineConfig(num_pages=20, page_size=4), mesh=mesh, layout='wg_xyz+mq_batch')

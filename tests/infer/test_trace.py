@@ -106,3 +106,31 @@ def test_replays_continuous_static_and_prefix_caching_side_by_side():
     serving.compare(model, trace, ecfg, ('fast',))
   with pytest.raises(ValueError, match='pass EngineConfig\\(ring=False\\)'):
     serving.compare(model, trace, EngineConfig(), ('continuous',))
+
+
+def test_prefix_hit_ttft_counts_exactly_the_requests_that_hit():
+  """Requests far apart: every system-prompt request but the first finds its pages cached,
+  the first misses and requests without it never hit. The hit-TTFT column averages exactly
+  those requests, in the prefix row and (the same requests) in the row without caching."""
+  model = Transformer(CFG, rngs=nnx.Rngs(0))
+  trace = tr.poisson_trace(num_requests=6, rate=0.01, prompt_len=(2, 9), output_len=(2, 3),
+                           system_prompt=list(range(20, 36)), shared_fraction=0.6,
+                           vocab_size=CFG.vocab_size, seed=0)  # misses first
+  shared = [r.id for r in trace if r.shared]
+  assert len(shared) >= 3 and len(shared) < len(trace)
+  ecfg = EngineConfig(max_batch=3, page_size=4, num_pages=1 + 3 * 8, chunk_size=1,
+                      max_len=64, ring=False)
+  rows = {r['variant']: r for r in serving.compare(model, trace, ecfg, ('continuous', 'prefix'),
+                                                   log=lambda r: None)}
+  cont, prefix = rows['continuous'], rows['prefix']
+  hits = sorted(i for i, n in prefix['prefix_hits'].items() if n > 0)
+  assert hits == sorted(shared[1:])
+  assert all(prefix['prefix_hits'][i] == 16 for i in hits)  # the 4 system-prompt pages
+  assert prefix['prefix_hit_requests'] == len(shared) - 1 and cont['prefix_hit_requests'] == 0
+  for row in (cont, prefix):
+    assert row['ttft_hits_of_prefix_row'] == pytest.approx(
+        np.mean([row['ttft_by_request'][i] for i in hits]))
+  assert prefix['ttft_hit_mean'] == pytest.approx(prefix['ttft_hits_of_prefix_row'])
+  key = f'TTFT of prefix-hit requests ({len(hits)}), no prefix caching / prefix caching'
+  assert serving.ratios(list(rows.values()))[key] == pytest.approx(
+      cont['ttft_hits_of_prefix_row'] / prefix['ttft_hits_of_prefix_row'])
