@@ -21,6 +21,7 @@ import numpy as np
 
 import qjax
 from qjax import kernels
+from qjax.core import tiled_path
 
 
 def _time_round_robin(calls, reps, per_round=3):
@@ -77,11 +78,17 @@ def main():
       'int4 g128 (int8 act)': (lambda x, q: qjax.qdot(x, q, path='int8'), q4),
       f'W8A8 int8 ({qjax.choose_path(f8, a8)})*': (lambda x, q: qjax.qdot(x, q, act_fmt=a8), q8),
   }
-  print(f'CPU kernel (qjax.kernels): {kernels.status()}')
+  print(f'CPU kernel (qjax.kernels): {kernels.status()}, isa {kernels.isa()}')
   if kernels.available():  # the decode kernel, explicitly (auto takes it for M <= 16)
     paths['int8 w-only (kernel)'] = (lambda x, q: qjax.qdot(x, q, path='kernel'), q8)
     paths['int4 g128 (kernel)'] = (lambda x, q: qjax.qdot(x, q, path='kernel'), q4)
     paths['bf16 (float_einsum)'] = (lambda x, w: qjax.core.float_einsum('MD,DF->MF', x, w), wb)
+  # What the kernel's decode shapes fall back to without it (XLA's row tiles), side by side.
+  paths['int8 w-only (tiled: XLA)'] = (lambda x, q: qjax.qdot(x, q, path='tiled'), q8)
+  paths['int4 g128 (tiled: XLA)'] = (lambda x, q: qjax.qdot(x, q, path='tiled'), q4)
+  xla_int8 = lambda x, q: tiled_path.tiled_einsum('MD', 'DF', 'MF', x, q, 'int', jnp.float32)
+  paths['W8A8 int8 (XLA int tiles)'] = (xla_int8, q8)
+  paths['W4A8 int4 g128 (XLA int tiles)'] = (xla_int8, q4)
   for m in [int(v) for v in a.ms.split(',')]:
     x = jax.random.normal(jax.random.key(1), (m, d))
     print(f'\nM = {m}  ({backend}; load average {os.getloadavg()[0]:.2f})')
