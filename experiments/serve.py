@@ -57,7 +57,7 @@ def _workload_table(c):
 
 
 def _gemma_trace(c):
-  """Gemma 3 270M, its tokenizer, and the config's traces of Tiny Shakespeare windows."""
+  """Gemma 3 270M, a maker of the config's traces (windows of Tiny Shakespeare), pad id."""
   from qjax.checkpoints.gemma3 import load_gemma3_270m  # pylint: disable=g-import-not-at-top
   from qjax.data import corpus  # pylint: disable=g-import-not-at-top
   model, tok, info = load_gemma3_270m(param_dtype=c.param_dtype)
@@ -70,8 +70,7 @@ def _gemma_trace(c):
   source = tok.encode(corpus(c.corpus)[:200_000]).ids[1:]
   make = lambda spec: trace_lib.poisson_trace(**spec, system_prompt=system[:c.system_len],
                                              token_source=source, bos=bos, seed=c.seed)
-  ttft = make(c.ttft_trace) if c.get('ttft_trace') else None
-  return model, tok, make(c.trace), ttft, tok.token_to_id('<pad>')
+  return model, make, tok.token_to_id('<pad>')
 
 
 def _hf_generate_row(trace, max_batch: int, pad_id: int) -> dict:
@@ -127,10 +126,10 @@ def _trace_comparison(c):
     make = lambda spec: trace_lib.poisson_trace(
         **spec, system_prompt=list(range(1, 1 + c.system_len)), vocab_size=cfg.vocab_size,
         seed=c.seed)
-    trace = make(c.trace)
-    ttft_trace = make(c.ttft_trace) if c.get('ttft_trace') else None
   else:
-    model, _, trace, ttft_trace, pad_id = _gemma_trace(c)
+    model, make, pad_id = _gemma_trace(c)
+  trace = make(c.trace)
+  ttft_trace = make(c.ttft_trace) if c.get('ttft_trace') else None
   print(f'trace: {len(trace)} requests over {trace[-1].arrival:.1f} s, prompts '
         f'{min(len(r.prompt) for r in trace)}-{max(len(r.prompt) for r in trace)} tokens, '
         f'{sum(r.shared for r in trace)} with the system prompt, '
@@ -145,6 +144,15 @@ def _trace_comparison(c):
   if 'hf' in variants:
     rows.append(_hf_generate_row(trace, ecfg.max_batch, pad_id))
     print(rows[-1], flush=True)
+  tail_rows = []
+  if c.get('tail_trace'):  # heavy-tailed outputs (config.quick): continuous vs static only
+    tail = make(c.tail_trace)
+    print(f'tail trace: {sum(r.max_tokens for r in tail)} output tokens, max_tokens '
+          f'{sorted(r.max_tokens for r in tail)}', flush=True)
+    tail_rows = serving.compare(model, tail, ecfg, ['continuous', 'static'], pad_id=pad_id,
+                                log=lambda r: print(r, flush=True))
+    for r in tail_rows:
+      r['variant'] = f"{r['variant']} (heavy-tailed outputs)"
   ttft_rows = []
   if ttft_trace is not None:  # prefix caching's TTFT without queueing (config.quick)
     ttft_rows = serving.compare(model, ttft_trace, ecfg, ['continuous', 'prefix'],
@@ -153,19 +161,26 @@ def _trace_comparison(c):
       r['variant'] = f"{r['variant']} (unsaturated trace)"
   load = os.getloadavg()
   print(f'load average after: {load}', flush=True)
-  print(markdown_table(rows + ttft_rows, serving.COLUMNS))
+  print(markdown_table(rows + tail_rows + ttft_rows, serving.COLUMNS))
   ratios = serving.ratios(rows)
-  if ttft_rows:
-    ratios.update({f'{k} (unsaturated trace)': v for k, v in serving.ratios(
-        [dict(r, variant=r['variant'].split(' ')[0]) for r in ttft_rows]).items()})
+  for label, extra in (('heavy-tailed outputs', tail_rows), ('unsaturated trace', ttft_rows)):
+    ratios.update({f'{k} ({label})': v for k, v in serving.ratios(
+        [dict(r, variant=r['variant'].split(' ')[0]) for r in extra]).items()})
   for k, v in ratios.items():
     print(f'{k}: {v:.3g}' if isinstance(v, float) else f'{k}: {v}')
+  print(f'\ntargets (load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}):')
+  for k, v in ratios.items():
+    target = (2 if k.startswith('throughput continuous / static') else
+              3 if k.startswith('TTFT of prefix-hit requests') and 'unsaturated' in k else
+              None)  # the saturated trace's TTFT is queueing, not the skipped prefill
+    if target is not None:
+      print(f"  {k}: {v:.2f}x (target >= {target}x: {'met' if v >= target else 'missed'})")
   out = pathlib.Path(c.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   title = f'{c.model}, {len(trace)} requests (load average {load[0]:.1f})'
   print('plot:', serving.plot([r for r in rows if 'tokens_per_s' in r], str(out / 'serve.png'),
                               title))
-  clean = [{k: v for k, v in r.items() if k != 'outputs'} for r in rows + ttft_rows]
+  clean = [{k: v for k, v in r.items() if k != 'outputs'} for r in rows + tail_rows + ttft_rows]
   (out / 'results.json').write_text(json.dumps(
       dict(config=c.to_dict(), rows=clean, ratios=ratios, load_average=load), indent=1,
       default=lambda x: x.item() if isinstance(x, np.generic) else str(x)))

@@ -52,20 +52,23 @@ def poisson_trace(*, num_requests: int, rate: float, prompt_len: tuple[int, int]
                   output_len: tuple[int, int], system_prompt: Sequence[int] = (),
                   shared_fraction: float = 0.0, vocab_size: Optional[int] = None,
                   token_source: Optional[Sequence[int]] = None, bos: Optional[int] = None,
-                  seed: int = 0) -> list[TraceRequest]:
+                  output_dist: str = 'uniform', seed: int = 0) -> list[TraceRequest]:
   """Requests with exponential inter-arrival times (a Poisson process of `rate` per second).
 
   Args:
     num_requests: how many requests; the first arrives at 0.
     rate: mean arrivals per second (> 0).
     prompt_len: (lo, hi): each request's own prompt length, uniform in [lo, hi].
-    output_len: (lo, hi): each request's max_tokens, uniform in [lo, hi].
+    output_len: (lo, hi): each request's max_tokens in [lo, hi], drawn by `output_dist`.
     system_prompt: token ids a share of the prompts start with.
     shared_fraction: that share, in [0, 1] (each request independently).
     vocab_size: own prompt ids uniform in [0, vocab_size) (when no `token_source`).
     token_source: a token-id sequence (a tokenized corpus); own prompts are windows of it
       at uniform offsets.
     bos: a token every prompt starts with (before the system prompt), or None.
+    output_dist: 'uniform' (every length in [lo, hi] equally likely) or 'loguniform'
+      (floor(exp(u)), u uniform in [log lo, log(hi + 1)): density ~ 1 / length, most outputs
+      short and a long tail, as in chat traces; with (1, 64): median 8, mean 15).
     seed: the draw's seed.
 
   Returns:
@@ -84,6 +87,9 @@ def poisson_trace(*, num_requests: int, rate: float, prompt_len: tuple[int, int]
   if token_source is not None and len(token_source) <= prompt_len[1]:
     raise ValueError(f'poisson_trace: token_source has {len(token_source)} tokens, fewer '
                      f'than prompt_len[1]={prompt_len[1]} + 1.')
+  if output_dist not in ('uniform', 'loguniform'):
+    raise ValueError(f"poisson_trace: output_dist={output_dist!r} is unknown; use 'uniform' "
+                     "or 'loguniform'.")
   rng = np.random.default_rng(seed)
   gaps = rng.exponential(1 / rate, num_requests)
   arrivals = np.concatenate([[0.0], np.cumsum(gaps[1:])])
@@ -96,10 +102,15 @@ def poisson_trace(*, num_requests: int, rate: float, prompt_len: tuple[int, int]
       start = int(rng.integers(0, len(token_source) - n))
       own = [int(t) for t in token_source[start:start + n]]
     shared = bool(rng.random() < shared_fraction)
+    lo, hi = output_len
+    if output_dist == 'uniform':
+      max_tokens = int(rng.integers(lo, hi + 1))
+    else:
+      max_tokens = min(hi, int(np.exp(rng.uniform(np.log(lo), np.log(hi + 1)))))
     out.append(TraceRequest(str(i), float(arrival),
                             tuple(([] if bos is None else [bos]) +
                                   (list(system_prompt) if shared else []) + own),
-                            int(rng.integers(output_len[0], output_len[1] + 1)), shared))
+                            max_tokens, shared))
   return out
 
 

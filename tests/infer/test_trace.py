@@ -29,6 +29,13 @@ def test_poisson_trace_matches_its_stated_distribution():
     assert r.prompt[0] == 1 and 2 <= own <= 6 and 1 <= r.max_tokens <= 3
     assert (list(r.prompt[1:4]) == system) == r.shared or not r.shared
   assert {r.max_tokens for r in trace} == {1, 2, 3}
+  tail = [r.max_tokens for r in tr.poisson_trace(
+      num_requests=4000, rate=1.0, prompt_len=(1, 1), output_len=(1, 64), vocab_size=5,
+      output_dist='loguniform', seed=2)]
+  # P(length <= k) = log(k + 1) / log(65): P(1) = 0.166, P(<= 7) = 0.498; 4-sigma bounds.
+  assert min(tail) == 1 and max(tail) <= 64
+  assert abs(np.mean(np.array(tail) == 1) - np.log(2) / np.log(65)) < 4 * 0.0059
+  assert abs(np.mean(np.array(tail) <= 7) - np.log(8) / np.log(65)) < 4 * 0.0079
   source = list(range(100, 140))
   windows = tr.poisson_trace(num_requests=5, rate=1.0, prompt_len=(4, 4), output_len=(1, 1),
                              token_source=source)
@@ -44,6 +51,8 @@ def test_bad_trace_parameters_raise():
     tr.poisson_trace(rate=1, shared_fraction=1.5, **kw)
   with pytest.raises(ValueError, match=r'prompt_len=\(3, 2\) must satisfy'):
     tr.poisson_trace(rate=1, **{**kw, 'prompt_len': (3, 2)})
+  with pytest.raises(ValueError, match="output_dist='zipf' is unknown"):
+    tr.poisson_trace(rate=1, output_dist='zipf', **kw)
   with pytest.raises(ValueError, match='exactly one of vocab_size'):
     tr.poisson_trace(rate=1, token_source=[1, 2, 3], **kw)
 
