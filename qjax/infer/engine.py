@@ -16,13 +16,13 @@ vocabulary, ~25x cheaper on CPU). A step's tokens are laid out one of two ways:
   per token (its sequence's block table, its own position), so the step computes the tokens
   it feeds and nothing else: no decode row padded to the chunk's length, no idle row. Every
   token writes its K/V before any attends, so a chunk's tokens see each other through the
-  pages, under the causal mask. N is padded to `max_batch` (pure decode) or
-  `max_batch + chunk_size`.
+  pages, under the causal mask. N is padded to `max_batch` (pure decode), `max_batch +
+  chunk_size // 2` (chunks of 16 or more) or `max_batch + chunk_size`.
 - padded, tokens (max_batch, chunk_size), one row per sequence, when several chunks share
   the step (a burst of arrivals, a static batch's prefill): each token costs less there (one
   page walk per sequence, not per token), which beats the padding once most rows prefill.
 
-So the step compiles at most three times (two packed sizes and the padded one). Before each
+So the step compiles at most four times (three packed sizes and the padded one). Before each
 step the host checks every sequence's write against its pages and the context
 (`paged.check_step`), so an overflow is an error naming the request.
 """
@@ -116,9 +116,12 @@ class EngineStats:
 
 
 def _buckets(max_batch: int, chunk: int) -> tuple[tuple[int, int], ...]:
-  """Token shapes of the step (module docstring): packed (N, 1) for decodes alone and for
-  decodes + a chunk, then padded (max_batch, chunk) when more tokens than that can come."""
-  packed = sorted({max_batch, max_batch + chunk if chunk > 1 else max_batch})
+  """Token shapes of the step (module docstring): packed (N, 1) for decodes alone, beside
+  half a chunk (chunks of 16 and more: a short prompt or a prefix hit's rest need not pay
+  for a whole chunk) and beside a chunk, then padded (max_batch, chunk) when more tokens
+  than that can come."""
+  packed = sorted({max_batch, max_batch + chunk // 2 if chunk >= 16 else max_batch,
+                   max_batch + chunk if chunk > 1 else max_batch})
   padded = [(max_batch, chunk)] if max_batch * chunk > packed[-1] else []
   return tuple((n, 1) for n in packed) + tuple(padded)
 

@@ -46,6 +46,20 @@ def test_batched_outputs_equal_greedy_generation_alone(model):
   assert st.paged_waste < st.contiguous_waste
 
 
+def test_every_step_shape_is_a_compiled_bucket_and_half_chunks_stay_exact(model):
+  """Chunks of 16: packed steps of 2 (decodes), 10 (beside half a chunk) and 18 tokens, and
+  the padded (2, 16) step when two chunks share a step. After `compile_buckets` serving
+  compiles nothing, and every layout gives each prompt's tokens alone."""
+  engine = Engine(model, EngineConfig(max_batch=2, page_size=4, num_pages=33, chunk_size=16))
+  assert engine.buckets == ((2, 1), (10, 1), (18, 1), (2, 16))
+  compiled = engine.compile_buckets()
+  assert 1 <= compiled <= 4
+  params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
+  outs = engine.generate(_prompts(), params)
+  assert outs == [_alone(model, p, n) for p, n in zip(_prompts(), MAX_TOKENS)]
+  assert engine.stats.compilations == compiled
+
+
 def test_swap_and_recompute_preemption_keep_outputs_with_a_quantized_cache(model):
   """A pool of 11 pages of 4 cannot hold two of these 24-position requests at once: both
   preemption modes give the tokens of each request alone (no preemption); swap restores the
