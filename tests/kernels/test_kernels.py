@@ -90,7 +90,8 @@ def test_kernel_matches_numpy(m, n):
   # the head layout 'nk': W (N, K), contracted last
   for g in (32, 64, 128):
     qh = quantize(w.T, int_format(4, group_size=g, channel_axes=(0,), group_axis=1))
-    ch = np.asarray(qh.codes(), np.float64).reshape(n, 256 // g, g) * np.asarray(qh.scale)[:, :, None]
+    ch = np.asarray(qh.codes(), np.float64).reshape(n, 256 // g, g)
+    ch = ch * np.asarray(qh.scale)[:, :, None]
     np.testing.assert_allclose(kernels.gemv(x, qh.data, qh.scale, 'nk', 'int4'),
                                x64 @ ch.reshape(n, 256).T, rtol=1e-4, atol=1e-4)
   qh8 = quantize(w.T, int_format(8, channel_axes=(0,)))
