@@ -44,6 +44,11 @@ Measured (small mode, under load: load average 17, 2026-12-02): continuous / sta
 Measured (quick mode, first version: max_batch 8, outputs 1-48, with the HF row; under load,
   load average 8-12): continuous / static 1.09x; prefix-caching TTFT 2.35x on the
   unsaturated trace; HF generate 1.12 tokens/s vs 3.97 for static qjax; 13 min; RSS 4.5 GB.
+Measured (quick mode, packed steps + greedy argmax, under load: load average 9.4 -> 6.2,
+  falling during the run; 20 min, RSS 2.4 GB): prefix-hit TTFT 6.26x lower with prefix
+  caching on the unsaturated trace (3 hits; 3.06x over every system-prompt request);
+  continuous / static 0.70x uniform outputs, 2.65x heavy-tailed, both skewed by the load
+  (continuous ran first, on the least CPU); see the README for the alternating rerun.
 Expected result: continuous >= 2x static throughput (static runs every batch to its longest
   output); system-prompt requests' TTFT several times lower with prefix caching, outputs
   identical; int8 / int4 caches fit ~3.9x / ~7.8x the sequences of the float32 cache (~2x /
