@@ -142,13 +142,17 @@ def plan_tiles(xs, ws, out, x_shape, w: QArray, act_kind) -> Optional[TilePlan]:
     return None  # a scale along K (not by group) cannot follow a quantized-activation dot
   x_only = tuple(c for c in xs if c not in ws)
   m_shape = tuple(x_shape[xs.index(c)] for c in x_only)
+  m = math.prod(m_shape)
   # Tile rows: ~_TILE_ELEMENTS per tile in whole groups; one group per tile when activation
   # scales are per group; few enough rows that integer partial sums are exact in f32.
   if act_kind is not None and grouped:
     kt = unit
   else:
-    # At most ~1/8 of the weight per tile, so no tile is a float copy of the whole weight.
-    rows = max(_MIN_TILE_ROWS, min(_TILE_ELEMENTS // n, k // 8))
+    # At most ~1/8 of the weight per tile, so no tile is a float copy of the whole weight, or
+    # M rows when that is more: a tile then holds no more elements than the (M, N) output, and
+    # each tile's partial product (re-read and re-written once per tile) is amortised over as
+    # many weight rows as there are activation rows (prefill).
+    rows = max(_MIN_TILE_ROWS, m, min(_TILE_ELEMENTS // n, k // 8))
     step = unit if kq > 1 else 1
     kt = min(k, step * max(1, rows // step))
   if act_kind == 'int':
@@ -187,6 +191,33 @@ def _fields(arr, per, nf, kept_shape):
   return [arr[..., j::per].reshape(kq, -1) for j in range(per)]
 
 
+@functools.lru_cache(maxsize=None)
+def native_bf16_dot() -> bool:
+  """Whether this CPU has bf16 dot instructions (x86 AVX-512 BF16 or AMX): Linux flags only."""
+  try:
+    with open('/proc/cpuinfo', encoding='ascii', errors='replace') as f:
+      for line in f:
+        if line.startswith('flags'):
+          flags = set(line.split(':', 1)[1].split())
+          return bool(flags & {'avx512_bf16', 'amx_bf16'})
+  except OSError:
+    pass
+  return False
+
+
+def tile_dtype(m: int):
+  """The dtype of a tile's dot for M activation rows.
+
+  bf16 x bf16 with f32 accumulation (XLA:CPU's fused kernel) where the CPU has bf16 dot
+  instructions and M >= 2; f32 otherwise. Without them XLA widens bf16 in software: at M = 512
+  on an AVX2 Zen 3 (640 x 2048 and 2048 x 640 weights, benchmarks/qdot_bench.py --ms=512
+  --d=...) bf16 tiles took 1.8-2.7x the f32 product's time and f32 tiles 1.0-1.4x; at M = 1 bf16
+  tiles measured slower than f32 on every CPU. Integer codes and int8 activations are exact in
+  both (|partial sum| < 2**24 by the tile plan).
+  """
+  return jnp.bfloat16 if m > 1 and native_bf16_dot() else jnp.float32
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 5, 6))
 def tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
   """`qeinsum` on CPU as a loop over row tiles of the weight (module docstring).
@@ -204,9 +235,9 @@ def tiled_einsum(xs, ws, out, x, w: QArray, act_kind, out_dtype):
   # x -> (M, K) with the contracted axes in the weight's order.
   x2 = jnp.transpose(x, [xs.index(c) for c in plan.x_only + tuple(ws[:a])])
   x2 = x2.reshape(m, k).astype(jnp.float32)
-  # M = 1 takes XLA's own matrix-vector loop (f32); M >= 2 the fused bf16 kernel (bf16 x bf16 with
-  # f32 accumulation needs no weight copy there; at M = 1 bf16 tiles measured slower than f32).
-  cdt = jnp.float32 if m == 1 else jnp.bfloat16
+  # M = 1 takes XLA's own matrix-vector loop (f32); M >= 2 bf16 tiles where the CPU multiplies
+  # bf16 natively (`tile_dtype`), f32 tiles elsewhere.
+  cdt = tile_dtype(m)
   xq = xscale = None
   if act_kind is not None:
     xr = x2.reshape(m, k // unit, unit) if plan.grouped else x2.reshape(m, 1, k)
