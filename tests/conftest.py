@@ -35,6 +35,8 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from qjax.eval import memory as qmemory  # noqa: E402
+
 from hypothesis import settings  # noqa: E402
 
 settings.register_profile('qjax', max_examples=40, deadline=None)
@@ -70,32 +72,13 @@ def run_notebook(repo_root, monkeypatch):
   return run
 
 
-# Each live compiled XLA CPU executable holds ~9 entries of the process's memory-map table (its
-# JIT code and data sections), and jax's caches keep every executable a test compiled alive.
-# One process running the whole suite reaches vm.max_map_count (65530 by default) after
-# ~550-630 tests; the next mmap fails ("LLVM compilation error: Cannot allocate memory") and
-# jaxlib (0.10 and 0.12 alike) segfaults unwinding the C++ exception it throws for that error,
-# in backend_compile_and_load or executable.serialize(). docs/py312_crash.md has the
-# reproduction. Past 3/4 of the limit (~16k entries, ~1,800 executables, left: no test
-# compiles that many), drop jax's caches (the executables go, their maps with them; later calls
-# compile again); below it this is one read of /proc/self/maps per test and nothing else.
-_MAPS = '/proc/self/maps'
-try:
-  with open('/proc/sys/vm/max_map_count', encoding='ascii') as _f:
-    _MAP_LIMIT = int(_f.read())
-except OSError:
-  _MAP_LIMIT = None
-
-
-def _map_count():
-  with open(_MAPS, 'rb') as f:
-    return f.read().count(b'\n')
-
-
+# Each live compiled XLA CPU executable holds ~9 entries of the process's memory-map table, and
+# jax's caches keep every executable a test compiled alive: one process running the whole suite
+# reached vm.max_map_count after ~550-630 tests, and jaxlib segfaults on the failed mmap
+# (docs/py312_crash.md). After each test, past 3/4 of the limit, jax's caches are dropped
+# (`qjax.eval.memory.release_executables`, which long sweeps call too); below it this is one
+# read of /proc/self/maps per test and nothing else.
 @pytest.fixture(autouse=True)
 def _stay_below_the_map_limit():
   yield
-  if _MAP_LIMIT and _map_count() > _MAP_LIMIT * 3 // 4:
-    import gc  # pylint: disable=g-import-not-at-top
-    jax.clear_caches()
-    gc.collect()
+  qmemory.release_executables()

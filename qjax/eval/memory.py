@@ -442,6 +442,45 @@ def reset_peak_rss() -> bool:
     return False
 
 
+def _map_limit() -> Optional[int]:
+  try:
+    with open('/proc/sys/vm/max_map_count', encoding='ascii') as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return None
+
+
+def map_count() -> Optional[int]:
+  """Entries in this process's memory-map table (Linux /proc/self/maps), else None."""
+  try:
+    with open('/proc/self/maps', 'rb') as f:
+      return f.read().count(b'\n')
+  except OSError:
+    return None
+
+
+def release_executables(fraction: float = 0.75) -> bool:
+  """Drop jax's caches when the memory-map table is past `fraction` of vm.max_map_count.
+
+  Each live compiled XLA:CPU executable holds ~9 map entries (its JIT code and data), and jax
+  keeps every executable it compiled alive. A long process that compiles many distinct
+  programs (a test session, a sweep compiling one draft round per point) reaches the
+  kernel's limit (65530 by default) after ~1,800-7,000 executables; the next mmap fails
+  ("LLVM compilation error: Cannot allocate memory") and jaxlib segfaults unwinding that
+  error (docs/py312_crash.md; the Gemma speculative sweep died so after 114 points). Past
+  the threshold this clears jax's caches (the executables go, their maps with them; later
+  calls compile again) and returns True; below it, one read of /proc/self/maps. Linux only
+  (elsewhere: False).
+  """
+  limit, count = _map_limit(), map_count()
+  if not limit or count is None or count <= limit * fraction:
+    return False
+  import gc  # pylint: disable=g-import-not-at-top
+  jax.clear_caches()
+  gc.collect()
+  return True
+
+
 def measure(model: nnx.Module, *, batch: int, context: int, prompt: Optional[int] = None,
             compiled: bool = True) -> dict:
   """Measured memory of `model` for a workload (the counterpart of `predict`).

@@ -71,3 +71,16 @@ def test_demo_config_declares_the_required_sweep(repo_root):
   sweep = pipeline.load_sweep(str(repo_root / 'configs' / 'demo.py'))()
   got = {(p['quant.bits'], p['quant.group_size']) for p in sweep}
   assert {(b, g) for b in (8, 4, 3) for g in (0, 128, 32)} <= got
+
+
+def test_sweep_releases_executables_when_the_map_table_fills(tmp_path, monkeypatch):
+  # A long sweep compiles a program per point; past 3/4 of vm.max_map_count jaxlib would
+  # segfault on the next compile, so run_sweep drops jax's caches between points.
+  from qjax.eval import memory  # pylint: disable=g-import-not-at-top
+  calls = []
+  monkeypatch.setattr(memory, 'release_executables', lambda: calls.append(1) or True)
+  logs = []
+  qeval.run_sweep([('a', {}), ('b', {})], lambda name, o: {'v': 1}, str(tmp_path / 'r.jsonl'),
+                  log=logs.append)
+  assert len(calls) == 2
+  assert sum('released compiled executables' in line for line in logs) == 2
