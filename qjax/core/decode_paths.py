@@ -171,8 +171,9 @@ def vblocked_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray,
   nb = v // vb
   if nb < 2:
     return None  # small enough that the block is the weight: 'dequant' is the same thing
-  # as the row tiles (tiled_path.py); f32 for int8 activations (their values are not bf16)
-  cdt = jnp.float32 if x2.shape[0] == 1 or act is not None else jnp.bfloat16
+  # as the row tiles (`tiled_path.tile_dtype`); f32 for int8 activations (their values times
+  # their scales are not bf16)
+  cdt = jnp.float32 if act is not None else tiled.tile_dtype(x2.shape[0])
   xin = x2.astype(cdt)
   sv = w.scale.shape[0]
 

@@ -8,6 +8,7 @@ import pytest
 
 import qjax
 from qjax import fp8_format, int_format, qdot, qeinsum, quantize
+from qjax.core import tiled_path
 
 K = jax.random.split(jax.random.key(0), 4)
 X = jax.random.normal(K[0], (4, 8, 256))
@@ -120,7 +121,7 @@ class TiledPathTest(chex.TestCase):
                 int_format(8), int_format(8, channel_axes=(1,), symmetric=False),
                 int_format(8, channel_axes=(0,)), fp8_format(channel_axes=(1,))]:
       q = quantize(w, fmt)
-      for x in [X, X[:1, :1]]:  # M = 32 (bf16 tiles) and M = 1 (f32 tiles)
+      for x in [X, X[:1, :1]]:  # M = 32 (bf16 tiles where the CPU has bf16 dots) and M = 1
         ref = x @ q.dequantize()
         y = self.variant(lambda x, q: qdot(x, q, path='tiled'))(x, q)
         assert y.shape == ref.shape
@@ -176,6 +177,22 @@ def test_default_cpu_paths_make_no_float_copy():
       temp = jax.jit(lambda x, q: qdot(x, q, act_fmt=act)).lower(x, q).compile() \
           .memory_analysis().temp_size_in_bytes
       assert temp < f32_copy / 2, (fmt.name, m, temp)
+
+
+def test_prefill_tiles_stay_below_a_float_copy_of_the_weight():
+  # At prefill a tile takes M weight rows (its partial product is amortised over M rows of
+  # activations), still never the whole weight: 512 of 2048 rows here.
+  w = jax.random.normal(K[1], (2048, 1024))
+  f32_copy = 2048 * 1024 * 4
+  x = jax.random.normal(K[0], (512, 2048))
+  for fmt in [int_format(4, group_size=128, channel_axes=(1,)), int_format(8, channel_axes=(1,))]:
+    q = quantize(w, fmt)
+    plan = tiled_path.plan_tiles('my', 'yz', 'mz', x.shape, q, None)
+    assert plan.kt == 512, plan
+    f = jax.jit(lambda x, q: qdot(x, q))
+    temp = f.lower(x, q).compile().memory_analysis().temp_size_in_bytes
+    assert temp < f32_copy, (fmt.name, temp)
+    np.testing.assert_allclose(f(x, q), x @ q.dequantize(), rtol=2e-2, atol=2e-2)
 
 
 def test_w8a8_with_one_group_spanning_the_contraction():
