@@ -226,5 +226,6 @@ def summarize(trace: Sequence[TraceRequest], times: dict[str, list[float]],
     out.update(cache_bytes=cache_bytes(engine),
                prefix_hit_rate=pc.hits / max(pc.queries, 1) if pc is not None else 0.0,
                prefix_hit_tokens=st.prefix_hit_tokens, prefill_tokens=st.prefill_tokens,
-               preemptions=st.preemptions, steps=st.steps, compilations=st.compilations)
+               preemptions=st.preemptions, steps=st.steps, compilations=st.compilations,
+               paged_waste=st.paged_waste, contiguous_waste=st.contiguous_waste)
   return out
