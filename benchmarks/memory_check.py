@@ -39,6 +39,7 @@ from flax import nnx
 
 from qjax.core import int_format
 from qjax.eval import memory
+from qjax.eval import process
 from qjax.eval import sensitivity as qsens
 from qjax.eval.validation import context_limit
 from qjax.nn import (QuantPolicy, QuantRule, Transformer, TransformerConfig, quantize_model,
@@ -174,7 +175,7 @@ def main(_) -> int:
   out = pathlib.Path(_OUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({'base': _BASE.value, 'rows': rows, 'context_limit': ctx,
-                             'peak_rss': memory.peak_rss_bytes(),
+                             'peak_rss': process.peak_rss_bytes(),
                              'seconds': time.perf_counter() - t0}, indent=1, default=str))
   print('\n' + _md(rows, ctx))
   print(f"\n{'PASS' if ok else 'FAIL'}: weights and KV within 5% of the device bytes, every "

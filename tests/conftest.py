@@ -35,7 +35,7 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from qjax.eval import memory as qmemory  # noqa: E402
+from qjax.eval import process as qprocess  # noqa: E402
 
 from hypothesis import settings  # noqa: E402
 
@@ -76,9 +76,9 @@ def run_notebook(repo_root, monkeypatch):
 # jax's caches keep every executable a test compiled alive: one process running the whole suite
 # reached vm.max_map_count after ~550-630 tests, and jaxlib segfaults on the failed mmap
 # (docs/py312_crash.md). After each test, past 3/4 of the limit, jax's caches are dropped
-# (`qjax.eval.memory.release_executables`, which long sweeps call too); below it this is one
+# (`qjax.eval.process.release_executables`, which long sweeps call too); below it this is one
 # read of /proc/self/maps per test and nothing else.
 @pytest.fixture(autouse=True)
 def _stay_below_the_map_limit():
   yield
-  qmemory.release_executables()
+  qprocess.release_executables()

@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Callable, Iterable
 
-from qjax.eval import memory
+from qjax.eval import process
 
 
 def read_results(path: str) -> list[dict]:
@@ -140,7 +140,7 @@ def run_sweep(points: list[tuple[str, dict]], run_point: Callable[[str, dict], d
     if key is not None:
       row['key'] = key
     append_result(results_path, row)
-    if memory.release_executables():  # a long sweep would otherwise exhaust the map table
+    if process.release_executables():  # a long sweep would otherwise exhaust the map table
       log(f'[{i + 1}/{len(points)}] released compiled executables (memory-map table 3/4 full)')
     done[name] = row
   return [done[n] for n in names]

@@ -33,6 +33,7 @@ from flax import nnx
 from qjax.algorithms.llm_int8 import llm_int8_layers, trigger_rate
 from qjax.checkpoints import records
 from qjax.eval import memory as qmemory
+from qjax.eval import process as qprocess
 from qjax.eval import metrics
 from qjax.eval import tasks as qtasks
 from qjax.eval._validation_report import markdown, plot
@@ -192,11 +193,11 @@ def context_limit(model, policy, *, budget_bytes: int, batch: int = 1,
   used = cm['argument'] + cm['temp'] + cm['output'] - cm['alias']
   cache = init_cache(cfg, batch, s, fmt=kv)
   cache = dataclasses.replace(cache, length=jnp.full_like(cache.length, s - 1))
-  rss0 = qmemory.current_rss_bytes()
-  reset = qmemory.reset_peak_rss()  # the step just analysed, run once at full context
+  rss0 = qprocess.current_rss_bytes()
+  reset = qprocess.reset_peak_rss()  # the step just analysed, run once at full context
   jax.block_until_ready(qmemory.run_step(model, jnp.zeros((batch, 1), jnp.int32), cache))
   if reset:
-    out['run_peak_rss_above_start'] = qmemory.peak_rss_bytes(since_reset=True) - rss0
+    out['run_peak_rss_above_start'] = qprocess.peak_rss_bytes(since_reset=True) - rss0
   out.update(compiled_bytes=used, compiled=cm, confirmed=used <= budget_bytes, ran=True,
              prediction_error=out['predicted_bytes'] / used - 1)
   return out

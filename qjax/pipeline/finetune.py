@@ -35,7 +35,7 @@ from flax import nnx
 
 from qjax import checkpoints as qckpt
 from qjax import eval as qeval
-from qjax.eval import memory as qmemory
+from qjax.eval import process as qprocess
 from qjax import train as qtrain
 from qjax.algorithms import apply_method
 from qjax.nn import weight_bytes
@@ -56,16 +56,16 @@ COLUMNS = (('name', 'point'), ('kind', 'kind'), ('base_format', 'base'), ('rank'
 
 # ---- memory ---------------------------------------------------------------------------------
 # The process's memory, read through qjax.eval.memory (Linux VmHWM / VmRSS, clear_refs).
-reset_peak_rss = qmemory.reset_peak_rss
+reset_peak_rss = qprocess.reset_peak_rss
 
 
 def peak_rss_mib() -> float:
   """The process's peak resident set since start or the last `reset_peak_rss`, MiB."""
-  return qmemory.peak_rss_bytes(since_reset=True) / 2**20
+  return qprocess.peak_rss_bytes(since_reset=True) / 2**20
 
 
 def rss_mib() -> float:
-  return qmemory.current_rss_bytes() / 2**20
+  return qprocess.current_rss_bytes() / 2**20
 
 
 # ---- the data and the models a sweep shares -------------------------------------------------

@@ -76,9 +76,9 @@ def test_demo_config_declares_the_required_sweep(repo_root):
 def test_sweep_releases_executables_when_the_map_table_fills(tmp_path, monkeypatch):
   # A long sweep compiles a program per point; past 3/4 of vm.max_map_count jaxlib would
   # segfault on the next compile, so run_sweep drops jax's caches between points.
-  from qjax.eval import memory  # pylint: disable=g-import-not-at-top
+  from qjax.eval import process  # pylint: disable=g-import-not-at-top
   calls = []
-  monkeypatch.setattr(memory, 'release_executables', lambda: calls.append(1) or True)
+  monkeypatch.setattr(process, 'release_executables', lambda: calls.append(1) or True)
   logs = []
   qeval.run_sweep([('a', {}), ('b', {})], lambda name, o: {'v': 1}, str(tmp_path / 'r.jsonl'),
                   log=logs.append)
