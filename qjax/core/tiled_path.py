@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qjax import kernels
 from qjax.core import packing
 from qjax.core.formats import FLOAT_KINDS
 from qjax.core.qarray import QArray
@@ -191,31 +192,18 @@ def _fields(arr, per, nf, kept_shape):
   return [arr[..., j::per].reshape(kq, -1) for j in range(per)]
 
 
-@functools.lru_cache(maxsize=None)
-def native_bf16_dot() -> bool:
-  """Whether this CPU has bf16 dot instructions (x86 AVX-512 BF16 or AMX): Linux flags only."""
-  try:
-    with open('/proc/cpuinfo', encoding='ascii', errors='replace') as f:
-      for line in f:
-        if line.startswith('flags'):
-          flags = set(line.split(':', 1)[1].split())
-          return bool(flags & {'avx512_bf16', 'amx_bf16'})
-  except OSError:
-    pass
-  return False
-
-
 def tile_dtype(m: int):
   """The dtype of a tile's dot for M activation rows.
 
   bf16 x bf16 with f32 accumulation (XLA:CPU's fused kernel) where the CPU has bf16 dot
-  instructions and M >= 2; f32 otherwise. Without them XLA widens bf16 in software: at M = 512
-  on an AVX2 Zen 3 (640 x 2048 and 2048 x 640 weights, benchmarks/qdot_bench.py --ms=512
+  instructions (x86 AVX-512 BF16 or AMX: `kernels.cpu_flags`) and M >= 2; f32 otherwise.
+  Without them XLA widens bf16 in software: at M = 512 on an AVX2 Zen 3 (640 x 2048 and 2048 x 640 weights, benchmarks/qdot_bench.py --ms=512
   --d=...) bf16 tiles took 1.8-2.7x the f32 product's time and f32 tiles 1.0-1.4x; at M = 1 bf16
   tiles measured slower than f32 on every CPU. Integer codes and int8 activations are exact in
   both (|partial sum| < 2**24 by the tile plan).
   """
-  return jnp.bfloat16 if m > 1 and native_bf16_dot() else jnp.float32
+  bf16_dot = bool((kernels.cpu_flags() or frozenset()) & {'avx512_bf16', 'amx_bf16'})
+  return jnp.bfloat16 if m > 1 and bf16_dot else jnp.float32
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 5, 6))

@@ -23,15 +23,18 @@ Layouts: 'kn' weights are (K, N), contracted axis first (every projection); 'nk'
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import pathlib
+import platform
+import sys
 import threading
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ['KINDS', 'LAYOUTS', 'LIBRARY', 'available', 'gemv', 'isa', 'status']
+__all__ = ['KINDS', 'LAYOUTS', 'LIBRARY', 'available', 'cpu_flags', 'gemv', 'isa', 'status']
 
 # Where `python -m qjax.kernels.build` writes the library (build.py names the same path; it
 # is not imported here, so running it as a script does not import this package's state).
@@ -46,6 +49,19 @@ _SYMBOLS = {('kn', 'int8'): 'QjaxKnI8', ('kn', 'int4'): 'QjaxKnI4', ('kn', 'bf16
             ('nk', 'int8_a8'): 'QjaxNkI8A8', ('nk', 'int4_a8'): 'QjaxNkI4A8'}
 _LOCK = threading.Lock()
 _STATE: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> Optional[frozenset]:
+  """The CPU's feature flags (/proc/cpuinfo), or None off Linux x86-64."""
+  if sys.platform != 'linux' or platform.machine() not in ('x86_64', 'AMD64'):
+    return None
+  try:
+    text = pathlib.Path('/proc/cpuinfo').read_text(errors='replace')
+  except OSError:
+    return None
+  line = next((ln for ln in text.splitlines() if ln.startswith('flags')), '')
+  return frozenset(line.partition(':')[2].split())
 
 
 def _stamp() -> Optional[str]:

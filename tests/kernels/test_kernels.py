@@ -2,10 +2,7 @@
 available, and a clean, named refusal when it is not."""
 
 import os
-import pathlib
-import platform
 import shutil
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,18 +22,6 @@ def test_status_names_the_state():
   assert s == 'available' or any(w in s for w in ('not built', 'failed', 'disabled'))
 
 
-def _cpu_flags():
-  """The CPU's feature flags (/proc/cpuinfo), or None off Linux x86-64."""
-  if sys.platform != 'linux' or platform.machine() not in ('x86_64', 'AMD64'):
-    return None
-  try:
-    text = pathlib.Path('/proc/cpuinfo').read_text()
-  except OSError:
-    return None
-  line = next((ln for ln in text.splitlines() if ln.startswith('flags')), '')
-  return set(line.partition(':')[2].split())
-
-
 def test_kernel_is_built_exactly_where_the_cpu_can_run_it(tmp_path):
   # Every test below returns early without the kernel, so a kernel that stopped building on
   # an AVX2 machine (CI's, most laptops) would otherwise pass silently. Where the kernel
@@ -46,7 +31,7 @@ def test_kernel_is_built_exactly_where_the_cpu_can_run_it(tmp_path):
     assert not kernels.available() and kernels.isa() is None
     assert 'disabled' in kernels.status()
     return
-  flags = _cpu_flags()
+  flags = kernels.cpu_flags()
   compiler = bool(os.environ.get('CXX') or shutil.which('g++') or shutil.which('c++'))
   stamp = kernels.LIBRARY.with_suffix('.jax')
   installed = stamp.is_file() and stamp.read_text().strip() == jax.__version__
