@@ -2,8 +2,26 @@
 
 import os
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+from importlib import metadata as _metadata  # noqa: E402
+
+_JAXLIB = tuple(int(p) for p in _metadata.version('jaxlib').split('.')[:2])
+# The suite compiles for a fast suite, not for fast programs: three quarters of its CPU time is
+# XLA compiling small programs (14,600 compilations in one run, eager op-by-op dispatch
+# included), which run in milliseconds. `jax_disable_most_optimizations` compiles at LLVM
+# level 0 and, under jaxlib 0.10, the legacy fusion emitters with one codegen partition
+# compile each program in about half the time (a loop of 240 small compilations: 42.9 s at the
+# defaults, 26.9 s at level 0, 12.9 s with both). The HLO (what qjax emits: fusions, buffer
+# assignment, the compiled-memory numbers the tests read) is the same; only the machine code
+# differs, so numerics can differ in the last bits of a reduction. The one test whose
+# tolerance is that tight asks for `full_optimization`. jaxlib 0.12 has neither XLA flag (an
+# unknown flag aborts the process) and gains nothing from it (22.2 s vs 22.8 s), so it gets
+# level 0 only. JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite at the defaults.
+_FAST_COMPILE_FLAGS = (' --xla_cpu_use_fusion_emitters=false'
+                       ' --xla_cpu_parallel_codegen_split_count=1' if _JAXLIB < (0, 11) else '')
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8' +
+                      _FAST_COMPILE_FLAGS)
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
 # A compilation cache shared by the xdist workers and the subprocesses the tests start (they
 # inherit the environment): much of the suite's CPU time is XLA compiling the same small
 # programs again in another process. It is fresh for every run (a temporary folder made by the
@@ -16,9 +34,6 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # backend_compile_and_load, both in tests/integration/test_ptq_methods_pipeline.py, which
 # passes alone: a native crash in jaxlib that depends on the process's history; jaxlib 0.10
 # reads and writes the cache fine. Off, one of the two crash sites is gone.
-from importlib import metadata as _metadata  # noqa: E402
-
-_JAXLIB = tuple(int(p) for p in _metadata.version('jaxlib').split('.')[:2])
 if _JAXLIB >= (0, 12):
   os.environ.setdefault('JAX_ENABLE_COMPILATION_CACHE', 'false')
 if ('PYTEST_XDIST_WORKER' not in os.environ and 'JAX_COMPILATION_CACHE_DIR' not in os.environ
@@ -50,6 +65,19 @@ def eight_devices():
   return devs
 
 
+@pytest.fixture
+def full_optimization():
+  """Compile this test's programs at XLA's full optimization level (the suite compiles at
+  level 0, above), for a tolerance tighter than the last-bit differences between the two.
+  jax's caches are dropped on the way in and out, so no executable crosses the boundary."""
+  jax.clear_caches()
+  jax.config.update('jax_disable_most_optimizations', False)
+  yield
+  jax.clear_caches()
+  jax.config.update('jax_disable_most_optimizations',
+                    os.environ['JAX_DISABLE_MOST_OPTIMIZATIONS'].lower() in ('1', 'true'))
+
+
 @pytest.fixture(scope='session')
 def repo_root():
   import pathlib  # pylint: disable=g-import-not-at-top
@@ -62,7 +90,7 @@ def run_notebook(repo_root, monkeypatch):
   def run(name, **env):
     import nbformat  # pylint: disable=g-import-not-at-top
     from nbclient import NotebookClient  # pylint: disable=g-import-not-at-top
-    for key, value in {'XLA_FLAGS': '', **env}.items():
+    for key, value in {'XLA_FLAGS': _FAST_COMPILE_FLAGS.strip(), **env}.items():
       monkeypatch.setenv(key, value)
     nb = nbformat.read(repo_root / 'colab' / name, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name='python3',

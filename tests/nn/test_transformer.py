@@ -51,7 +51,7 @@ class DecodeTest(parameterized.TestCase):
 
 
 @pytest.mark.parametrize('fmt', [None, 'int8'])
-def test_rows_at_different_lengths_decode_as_if_alone(fmt):
+def test_rows_at_different_lengths_decode_as_if_alone(fmt, full_optimization):
   """A ragged batch: each row keeps its own length, positions and mask."""
   cfg = TransformerConfig.tiny(**CONFIGS['gemma_like'])  # windows and softcaps too
   graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
