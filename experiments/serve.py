@@ -68,8 +68,8 @@ def _gemma_trace(c):
     raise ValueError(f'system_len={c.system_len} is longer than the system prompt '
                      f'({len(system)} tokens); lower it.')
   source = tok.encode(corpus(c.corpus)[:200_000]).ids[1:]
-  make = lambda spec: trace_lib.poisson_trace(**spec, system_prompt=system[:c.system_len],
-                                             token_source=source, bos=bos, seed=c.seed)
+  make = lambda spec, seed=c.seed: trace_lib.poisson_trace(
+      **spec, system_prompt=system[:c.system_len], token_source=source, bos=bos, seed=seed)
   return model, make, tok.token_to_id('<pad>')
 
 
@@ -123,9 +123,9 @@ def _trace_comparison(c):
   if c.model == 'tiny':
     cfg = TransformerConfig.tiny(max_len=c.engine.max_len)
     model, pad_id = Transformer(cfg, rngs=nnx.Rngs(c.seed)), 0
-    make = lambda spec: trace_lib.poisson_trace(
+    make = lambda spec, seed=c.seed: trace_lib.poisson_trace(
         **spec, system_prompt=list(range(1, 1 + c.system_len)), vocab_size=cfg.vocab_size,
-        seed=c.seed)
+        seed=seed)
   else:
     model, make, pad_id = _gemma_trace(c)
   trace = make(c.trace)
@@ -144,15 +144,24 @@ def _trace_comparison(c):
   if 'hf' in variants:
     rows.append(_hf_generate_row(trace, ecfg.max_batch, pad_id))
     print(rows[-1], flush=True)
-  tail_rows = []
-  if c.get('tail_trace'):  # heavy-tailed outputs (config.quick): continuous vs static only
-    tail = make(c.tail_trace)
-    print(f'tail trace: {sum(r.max_tokens for r in tail)} output tokens, max_tokens '
-          f'{sorted(r.max_tokens for r in tail)}', flush=True)
-    tail_rows = serving.compare(model, tail, ecfg, ['continuous', 'static'], pad_id=pad_id,
-                                log=lambda r: print(r, flush=True))
-    for r in tail_rows:
-      r['variant'] = f"{r['variant']} (heavy-tailed outputs)"
+  tail_rows, tail_ratios = [], {}
+  # heavy-tailed outputs (config.quick), one trace per seed: continuous vs static only
+  for seed in (c.get('tail_seeds') or (c.seed,)) if c.get('tail_trace') else ():
+    tail = make(c.tail_trace, seed)
+    print(f'tail trace, seed {seed}: {sum(r.max_tokens for r in tail)} output tokens, '
+          f'max_tokens {sorted(r.max_tokens for r in tail)}', flush=True)
+    pair = serving.compare(model, tail, ecfg, ['continuous', 'static'], pad_id=pad_id,
+                           log=lambda r: print(r, flush=True))
+    tail_ratios.update({f'{k} (heavy-tailed outputs, seed {seed})': v
+                        for k, v in serving.ratios(pair).items()})
+    for r in pair:
+      r['variant'] = f"{r['variant']} (heavy-tailed outputs, seed {seed})"
+    tail_rows += pair
+  if len(tail_rows) > 2:  # the seeds' traces served one after another
+    pooled = {v: serving.pooled_throughput([r for r in tail_rows if r['variant'].startswith(v)])
+              for v in ('continuous', 'static')}
+    tail_ratios['throughput continuous / static (heavy-tailed outputs, seeds pooled)'] = (
+        pooled['continuous'] / pooled['static'])
   ttft_rows = []
   if ttft_trace is not None:  # prefix caching's TTFT without queueing (config.quick)
     ttft_rows = serving.compare(model, ttft_trace, ecfg, ['continuous', 'prefix'],
@@ -163,9 +172,9 @@ def _trace_comparison(c):
   print(f'load average after: {load}', flush=True)
   print(markdown_table(rows + tail_rows + ttft_rows, serving.COLUMNS))
   ratios = serving.ratios(rows)
-  for label, extra in (('heavy-tailed outputs', tail_rows), ('unsaturated trace', ttft_rows)):
-    ratios.update({f'{k} ({label})': v for k, v in serving.ratios(
-        [dict(r, variant=r['variant'].split(' ')[0]) for r in extra]).items()})
+  ratios.update(tail_ratios)
+  ratios.update({f'{k} (unsaturated trace)': v for k, v in serving.ratios(
+      [dict(r, variant=r['variant'].split(' ')[0]) for r in ttft_rows]).items()})
   for k, v in ratios.items():
     print(f'{k}: {v:.3g}' if isinstance(v, float) else f'{k}: {v}')
   print(f'\ntargets (load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}):')

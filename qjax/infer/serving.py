@@ -39,7 +39,9 @@ COLUMNS = (('variant', 'variant'), ('max_batch', 'B'), ('num_pages', 'pages'),
            ('ttft_hits_of_prefix_row', 'TTFT of the prefix row\'s hits s'),
            ('prefix_hit_requests', 'prefix-hit requests'),
            ('prefix_hit_rate', 'prefix hit rate'), ('prefill_tokens', 'prefill tokens'),
-           ('preemptions', 'preemptions'), ('note', 'note'))
+           ('preemptions', 'preemptions'), ('steps', 'steps'),
+           ('paged_waste', 'paged cache waste'), ('contiguous_waste', 'contiguous cache waste'),
+           ('note', 'note'))
 
 
 def page_bytes(model, config: EngineConfig, kv_format: Optional[str]) -> int:
@@ -133,7 +135,8 @@ def _ttft_of_prefix_hits(rows: list[dict]) -> None:
 
 
 def ratios(rows: Sequence[dict]) -> dict:
-  """The headline ratios between rows present: continuous / static throughput; TTFT without
+  """The headline ratios between rows present: continuous / static throughput (and static /
+  continuous steps, the part of it that is scheduling); TTFT without
   / with prefix caching, of the requests that hit the prefix cache (the target's measure)
   and of every system-prompt request (its first one always misses); sequences that fit vs
   float."""
@@ -142,6 +145,8 @@ def ratios(rows: Sequence[dict]) -> dict:
   if 'continuous' in by and 'static' in by:
     out['throughput continuous / static'] = (by['continuous']['tokens_per_s'] /
                                              by['static']['tokens_per_s'])
+    # Most of that ratio is step counts (a step's cost barely depends on its rows here).
+    out['steps static / continuous'] = by['static']['steps'] / max(by['continuous']['steps'], 1)
   if 'continuous' in by and 'prefix' in by:
     cont, pre = by['continuous'], by['prefix']
     if 'ttft_hits_of_prefix_row' in pre:
@@ -157,6 +162,14 @@ def ratios(rows: Sequence[dict]) -> dict:
       out[f'{name}: sequences that fit in the same bytes / float'] = (
           r['fits'] / max(by['continuous']['fits'], 1))
   return out
+
+
+def pooled_throughput(rows: Sequence[dict]) -> float:
+  """Tokens over seconds (each trace's span, as 'tokens_per_s') summed across `rows` (one
+  variant on several traces, e.g. one per seed): the throughput of those traces served one
+  after another. A ratio of two pooled throughputs weighs each trace by its length, not each
+  trace's ratio equally."""
+  return sum(r['tokens'] for r in rows) / sum(r['seconds'] for r in rows)
 
 
 def plot(rows: Sequence[dict], path: str, title: str = '') -> str:

@@ -113,6 +113,10 @@ def test_replays_continuous_static_and_prefix_caching_side_by_side():
     assert row['itl_p50'] > 0 and row['peak_running'] <= 3
   ratios = serving.ratios(list(rows.values()))
   assert ratios['outputs identical with prefix caching'] is True
+  assert ratios['steps static / continuous'] == static['steps'] / cont['steps'] > 1
+  # two traces served one after another: tokens and busy seconds add up
+  assert serving.pooled_throughput([cont, static]) == pytest.approx(
+      2 * cont['tokens'] / (cont['seconds'] + static['seconds']))
   with pytest.raises(ValueError, match=r"variants \['fast'\] are unknown"):
     serving.compare(model, trace, ecfg, ('fast',))
   with pytest.raises(ValueError, match='pass EngineConfig\\(ring=False\\)'):
