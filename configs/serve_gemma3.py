@@ -93,6 +93,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Page size of the quick mode's pools (--config.page_size=8: half the partly filled last
   # page); the full and small modes set theirs in `engine`.
   c.page_size = 16
+  c.quick_rows = 4  # the quick mode's max_batch (its pool holds that many longest requests)
+  # The quick mode's prompt tokens per step over all sequences (EngineConfig.prefill_budget;
+  # None: a chunk per prefilling sequence; 32 = chunk_size: every step packed).
+  c.prefill_budget = None
   c.variants = 'continuous,static,prefix,kv_int8,kv_int4,hf'
   c.out_dir = 'results/serve_gemma3'
   return c
@@ -129,9 +133,9 @@ def quick(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.system_len = 128
   # 4 of the longest requests (1 + 128 + 16 + 64 - 1 = 208 positions = 13 pages); 4 rows
   # for 16 requests keep a queue, which continuous batching refills and static cannot.
-  c.engine = dict(max_batch=4, page_size=c.page_size,
-                  num_pages=1 + 4 * -(-208 // c.page_size), chunk_size=32, max_len=224,
-                  ring=False)
+  c.engine = dict(max_batch=c.quick_rows, page_size=c.page_size,
+                  num_pages=1 + c.quick_rows * -(-208 // c.page_size), chunk_size=32,
+                  max_len=224, ring=False, prefill_budget=c.prefill_budget)
   default = get_config()  # --config.variants / --config.out_dir given on the command line win
   if c.variants == default.variants:
     c.variants = 'continuous,static,prefix'  # pass ...,hf for the HF generate row (+2-5 min)

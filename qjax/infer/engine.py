@@ -66,6 +66,10 @@ class EngineConfig:
     ring: sliding-window layers keep a ring of pages (off with prefix caching).
     preemption: 'recompute' (a preempted request recomputes its prompt and output when
       readmitted) or 'swap' (its cached pages are copied to host memory and restored).
+    prefill_budget: most prompt tokens fed per step over all sequences (vLLM's token budget
+      of chunked prefill), or None: every prefilling sequence feeds a chunk each step. With
+      `chunk_size`, every step fits the packed bucket of decodes beside one chunk, instead of
+      the padded (max_batch, chunk_size) step that several chunks in one step take.
   """
 
   max_batch: int = 4
@@ -77,6 +81,7 @@ class EngineConfig:
   prefix_caching: bool = False
   ring: bool = True
   preemption: str = 'recompute'
+  prefill_budget: Optional[int] = None
 
   def __post_init__(self):
     if self.preemption not in PREEMPTION_MODES:
@@ -86,6 +91,10 @@ class EngineConfig:
       v = getattr(self, name)
       if not isinstance(v, int) or v < 1:
         raise ValueError(f'EngineConfig: {name}={v!r} must be a positive integer.')
+    if self.prefill_budget is not None and (not isinstance(self.prefill_budget, int)
+                                            or self.prefill_budget < 1):
+      raise ValueError(f'EngineConfig: prefill_budget={self.prefill_budget!r} must be a '
+                       'positive integer (prompt tokens per step) or None (no budget).')
 
 
 @dataclasses.dataclass
@@ -202,7 +211,7 @@ class Engine:
                                allocator=self.allocator, ring_allocator=self.ring_allocator,
                                ring_pages=ring_pages, prefix_cache=self.prefix_cache,
                                preemption=config.preemption, swap_out=self._swap_out,
-                               swap_in=self._swap_in)
+                               swap_in=self._swap_in, prefill_budget=config.prefill_budget)
     self.cache = paged.init_paged_cache(
         cfg, num_pages=config.num_pages, page_size=p, batch=config.max_batch,
         max_pages=self.max_pages, ring_pages=ring_pages, num_ring_pages=num_ring,

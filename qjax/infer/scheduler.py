@@ -92,7 +92,8 @@ class Scheduler:
                ring_allocator: Optional[PageAllocator] = None, ring_pages: int = 0,
                prefix_cache: Optional[PrefixCache] = None, preemption: str = 'recompute',
                swap_out: Optional[Callable[[Sequence], Any]] = None,
-               swap_in: Optional[Callable[[Sequence, Any], None]] = None):
+               swap_in: Optional[Callable[[Sequence, Any], None]] = None,
+               prefill_budget: Optional[int] = None):
     if preemption not in PREEMPTION_MODES:
       raise ValueError(f'Scheduler: preemption={preemption!r} is unknown; use one of '
                        f'{PREEMPTION_MODES}.')
@@ -102,6 +103,7 @@ class Scheduler:
     self.preemption, self.swap_out, self.swap_in = preemption, swap_out, swap_in
     self.swaps_out = self.swaps_in = 0
     self.max_batch, self.chunk_size, self.page_size = max_batch, chunk_size, page_size
+    self.prefill_budget = prefill_budget
     self.max_pages, self.max_len = max_pages, max_len
     self.allocator, self.ring_allocator, self.ring_pages = allocator, ring_allocator, ring_pages
     self.prefix_cache = prefix_cache
@@ -236,10 +238,25 @@ class Scheduler:
     return True
 
   # ---- steps -------------------------------------------------------------------------------
+  def _feeds(self) -> dict[int, int]:
+    """Tokens each running sequence feeds this step (by id(seq)): a decode its 1, a
+    prefilling one a chunk, within `prefill_budget` prompt tokens over all of them in
+    admission order (those past it feed nothing this step and keep their row)."""
+    budget = self.prefill_budget
+    feeds = {}
+    for seq in self.running:
+      n = min(self.chunk_size, seq.num_pending)
+      if seq.num_pending > 1 and budget is not None:  # prefilling (or recomputing)
+        n = min(n, budget)
+        budget -= n
+      feeds[id(seq)] = n
+    return feeds
+
   def schedule(self) -> StepPlan:
     """The next step: running sequences first (in admission order), then admissions."""
+    feeds = self._feeds()
     for seq in list(self.running):
-      if seq in self.running and not self._grow(seq, min(self.chunk_size, seq.num_pending)):
+      if seq in self.running and feeds[id(seq)] and not self._grow(seq, feeds[id(seq)]):
         raise RuntimeError(f'request {seq.id}: the pool cannot hold it even alone (checked '
                            'at add); this is a scheduler bug.')
     used = {s.row for s in self.running}
@@ -251,9 +268,12 @@ class Scheduler:
       free_rows.pop(0)
     rows: list[Optional[Sequence]] = [None] * self.max_batch
     num_new = [0] * self.max_batch
+    feeds = self._feeds()  # admissions and preemptions above changed who runs
     for seq in self.running:
       rows[seq.row] = seq
-      num_new[seq.row] = min(self.chunk_size, seq.num_pending)
+      # A preemption above can free budget for a sequence that was not grown: it feeds what
+      # its pages hold (decodes and the first prefilling sequence were grown, so progress).
+      num_new[seq.row] = min(feeds[id(seq)], len(seq.pages) * self.page_size - seq.num_cached)
     return StepPlan(rows, num_new)
 
   def complete(self, plan: StepPlan, tokens: list[int], finished) -> list[tuple[str, int]]:

@@ -60,6 +60,30 @@ def test_every_step_shape_is_a_compiled_bucket_and_half_chunks_stay_exact(model)
   assert engine.stats.compilations == compiled
 
 
+def test_a_prefill_budget_keeps_every_step_packed_and_outputs_exact(model):
+  """3 rows, chunks of 8, a budget of 8 prompt tokens per step: the prompts of 19 and 9
+  tokens never feed two chunks in one step, so no step takes the padded (3, 8) bucket, and
+  every request still gets its tokens alone (as without a budget, which does pad)."""
+  params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
+  fed = {}
+  for budget in (None, 8):
+    engine = Engine(model, EngineConfig(max_batch=3, page_size=4, num_pages=31, chunk_size=8,
+                                        prefill_budget=budget))
+    schedule, plans = engine.scheduler.schedule, []
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    assert engine.generate(_prompts(), params) == [
+        _alone(model, p, n) for p, n in zip(_prompts(), MAX_TOKENS)]
+    prompt_fed = [sum(n for seq, n in zip(pl.rows, pl.num_new) if seq is not None and n > 1)
+                  for pl in plans]
+    fed[budget] = (max(prompt_fed), max(sum(pl.num_new) for pl in plans))
+    assert engine.stats.prefill_tokens == sum(PROMPT_LENS)
+    assert engine.allocator.num_free == 30
+  assert fed[None][0] > 8 and fed[None][1] > 3 + 8  # two chunks at once: the padded step
+  assert fed[8][0] <= 8 and fed[8][1] <= 3 + 8  # always the packed bucket
+  with pytest.raises(ValueError, match='prefill_budget=0 must be a positive integer'):
+    EngineConfig(prefill_budget=0)
+
+
 def test_swap_and_recompute_preemption_keep_outputs_with_a_quantized_cache(model):
   """A pool of 11 pages of 4 cannot hold two of these 24-position requests at once: both
   preemption modes give the tokens of each request alone (no preemption); swap restores the
