@@ -95,8 +95,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.page_size = 16
   c.quick_rows = 4  # the quick mode's max_batch (its pool holds that many longest requests)
   # The quick mode's prompt tokens per step over all sequences (EngineConfig.prefill_budget;
-  # None: a chunk per prefilling sequence; 32 = chunk_size: every step packed).
-  c.prefill_budget = None
+  # 0: none, a chunk per prefilling sequence; 32 = chunk_size: every step packed).
+  c.prefill_budget = 0
   c.variants = 'continuous,static,prefix,kv_int8,kv_int4,hf'
   c.out_dir = 'results/serve_gemma3'
   return c
@@ -135,7 +135,7 @@ def quick(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   # for 16 requests keep a queue, which continuous batching refills and static cannot.
   c.engine = dict(max_batch=c.quick_rows, page_size=c.page_size,
                   num_pages=1 + c.quick_rows * -(-208 // c.page_size), chunk_size=32,
-                  max_len=224, ring=False, prefill_budget=c.prefill_budget)
+                  max_len=224, ring=False, prefill_budget=c.prefill_budget or None)
   default = get_config()  # --config.variants / --config.out_dir given on the command line win
   if c.variants == default.variants:
     c.variants = 'continuous,static,prefix'  # pass ...,hf for the HF generate row (+2-5 min)

@@ -7,7 +7,8 @@
 Variants (each served from a fresh engine after a warm-up that compiles its step buckets,
 so no row pays compilation):
 - 'continuous': continuous batching, the float (model dtype) cache, no prefix caching.
-- 'static': static batches on the same engine (`trace.replay(static=True)`).
+- 'static': static batches on the same engine (`trace.replay(static=True)`), without the
+  config's `prefill_budget` (a static batch prefills its padded prompts whole).
 - 'prefix': continuous batching with prefix caching.
 - 'kv_<fmt>' (int8, int4, fp8): continuous batching with a quantized cache whose pools take
   the bytes of the float pools (no more): more pages, so more concurrent sequences;
@@ -103,7 +104,9 @@ def compare(model, trace: Sequence[TraceRequest], config: EngineConfig,
       cfg = dataclasses.replace(config, kv_format=fmt, num_pages=int(pages),
                                 max_batch=int(max(config.max_batch,
                                                   min(fits, max_batch_limit))))
-    cfg = dataclasses.replace(cfg, prefix_caching=cfg.prefix_caching and not static)
+    # Static batches prefill their padded prompts whole, as HF `generate` does: no budget.
+    cfg = dataclasses.replace(cfg, prefix_caching=cfg.prefix_caching and not static,
+                              prefill_budget=None if static else cfg.prefill_budget)
     warm_up(model, cfg)
     engine = Engine(model, cfg)
     result = replay(engine, trace, static=static, pad_id=pad_id)
