@@ -54,6 +54,13 @@ Measured (quick mode, packed steps + greedy argmax, under load: load average 9.4
   caching on the unsaturated trace (3 hits; 3.06x over every system-prompt request);
   continuous / static 0.70x uniform outputs, 2.65x heavy-tailed, both skewed by the load
   (continuous ran first, on the least CPU); see the README for the alternating rerun.
+Measured (quick mode, idle: load average 1.2-1.8, 2026-12-03, ~7.5 min, RSS 2.3 GB; heavy-
+  tailed trace = 3 seeds x 32 requests, pooled): 4 rows, pages of 8 (the default now):
+  continuous / static 1.63x uniform, 1.69x heavy-tailed (1.66-1.72 per seed); paged waste
+  2.0-4.2%; prefix-hit TTFT 6.32x. Pages of 16: 1.41x, 1.75x (1.54-1.91), waste 4.2-8.4%.
+  8 rows (--config.quick_rows=8), pages of 16: 1.22x, 1.40x (1.23-1.70); static / continuous
+  steps 1.24x, 1.81-2.14x, but a continuous step cost 1.3-1.45x a static one (several chunks
+  in one step take the padded (8, 32) step).
 Expected result: continuous >= 2x static throughput (static runs every batch to its longest
   output); system-prompt requests' TTFT several times lower with prefix caching, outputs
   identical; int8 / int4 caches fit ~3.9x / ~7.8x the sequences of the float32 cache (~2x /
@@ -90,9 +97,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.engine = dict(max_batch=8, page_size=16, num_pages=1 + 8 * 18, chunk_size=32,
                   max_len=320, ring=False)
   c.max_batch_limit = 32
-  # Page size of the quick mode's pools (--config.page_size=8: half the partly filled last
-  # page); the full and small modes set theirs in `engine`.
-  c.page_size = 16
+  # Page size of the quick mode's pools; the full and small modes set theirs in `engine`.
+  # 8, not 16: half the partly filled last page. Measured idle (2026-12-03, quick mode, 4
+  # rows): paged waste 2.0-4.2% at 8 vs 4.2-8.4% at 16, tokens/s within run-to-run noise.
+  c.page_size = 8
   c.quick_rows = 4  # the quick mode's max_batch (its pool holds that many longest requests)
   # The quick mode's prompt tokens per step over all sequences (EngineConfig.prefill_budget;
   # 0: none, a chunk per prefilling sequence; 32 = chunk_size: every step packed).
