@@ -139,10 +139,12 @@ def quick(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.ttft_trace = dict(num_requests=6, rate=0.01, prompt_len=(8, 16), output_len=(2, 4),
                       shared_fraction=0.75)
   c.system_len = 128
-  # 4 of the longest requests (1 + 128 + 16 + 64 - 1 = 208 positions = 13 pages); 4 rows
-  # for 16 requests keep a queue, which continuous batching refills and static cannot.
+  # `quick_rows` of the longest requests (BOS + system prompt + prompt + output - 1 = 208
+  # positions = 26 pages of 8); 4 rows for 16 requests keep a queue, which continuous
+  # batching refills and static cannot.
+  longest = c.system_len + c.trace.prompt_len[1] + c.trace.output_len[1]
   c.engine = dict(max_batch=c.quick_rows, page_size=c.page_size,
-                  num_pages=1 + c.quick_rows * -(-208 // c.page_size), chunk_size=32,
+                  num_pages=1 + c.quick_rows * -(-longest // c.page_size), chunk_size=32,
                   max_len=224, ring=False, prefill_budget=c.prefill_budget or None)
   default = get_config()  # --config.variants / --config.out_dir given on the command line win
   if c.variants == default.variants:

@@ -162,19 +162,18 @@ def _trace_comparison(c):
               for v in ('continuous', 'static')}
     tail_ratios['throughput continuous / static (heavy-tailed outputs, seeds pooled)'] = (
         pooled['continuous'] / pooled['static'])
-  ttft_rows = []
+  ttft_rows, ttft_ratios = [], {}
   if ttft_trace is not None:  # prefix caching's TTFT without queueing (config.quick)
     ttft_rows = serving.compare(model, ttft_trace, ecfg, ['continuous', 'prefix'],
                                 pad_id=pad_id, log=lambda r: print(r, flush=True))
+    ttft_ratios = {f'{k} (unsaturated trace)': v
+                   for k, v in serving.ratios(ttft_rows).items()}
     for r in ttft_rows:
       r['variant'] = f"{r['variant']} (unsaturated trace)"
   load = os.getloadavg()
   print(f'load average after: {load}', flush=True)
   print(markdown_table(rows + tail_rows + ttft_rows, serving.COLUMNS))
-  ratios = serving.ratios(rows)
-  ratios.update(tail_ratios)
-  ratios.update({f'{k} (unsaturated trace)': v for k, v in serving.ratios(
-      [dict(r, variant=r['variant'].split(' ')[0]) for r in ttft_rows]).items()})
+  ratios = {**serving.ratios(rows), **tail_ratios, **ttft_ratios}
   for k, v in ratios.items():
     print(f'{k}: {v:.3g}' if isinstance(v, float) else f'{k}: {v}')
   print(f'\ntargets (load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}):')
