@@ -9,21 +9,26 @@ One step is one jitted function of (model state, tokens, cache, last_B, sampling
 every block against the paged cache (`qjax.infer.paged`), takes each sequence's last fed
 token, and samples (`qjax.infer.sampling.sample`, per-row seeds; an all-greedy step without
 a repetition penalty takes `argmax_last` and skips the sampler's passes over the 262k-entry
-vocabulary, ~25x cheaper on CPU). A step's tokens are laid out one of two ways:
+vocabulary, ~25x cheaper on CPU).
 
-- packed, tokens (N, 1), when they number at most `max_batch + chunk_size` (decodes, or
-  decodes beside one prompt chunk: the common step of continuous batching). One cache row
-  per token (its sequence's block table, its own position), so the step computes the tokens
-  it feeds and nothing else: no decode row padded to the chunk's length, no idle row. Every
-  token writes its K/V before any attends, so a chunk's tokens see each other through the
-  pages, under the causal mask. N is padded to `max_batch` (pure decode), `max_batch +
-  chunk_size // 2` (chunks of 16 or more) or `max_batch + chunk_size`.
-- padded, tokens (max_batch, chunk_size), one row per sequence, when several chunks share
-  the step (a burst of arrivals, a static batch's prefill): each token costs less there (one
-  page walk per sequence, not per token), which beats the padding once most rows prefill.
+A step's tokens are packed: tokens (N, 1), each sequence's fed tokens one after another, so
+the weights see the tokens the step feeds and nothing else (no decode padded to a chunk's
+length, no idle row). Attention regroups them by sequence (`PagedKVCache.attend`): the
+sequences feeding one token (decodes) attend as a (max_batch, 1) layout, those feeding more
+(prompt chunks) as a (C, W) one, so a page is fetched once per sequence, not once per token,
+and no decode pays for a chunk-wide attention row. Every token writes its K/V before any
+attends, so a chunk's tokens see each other through the pages, under the causal mask. The
+buckets (N, W, C) (`_buckets`): decodes alone (max_batch, 1, 0); beside half a chunk, one,
+two, four, ... chunks; and every row a chunk (max_batch * chunk_size tokens: a static
+batch's prefill, a burst of arrivals). Measured on Gemma 3 270M (float32, CPU, 8 rows,
+chunks of 32, pages of 8; the README has the runs): 8 decodes 0.17 s; beside one chunk
+0.22 s, two 0.25 s, four 0.40 s; eight chunks 0.59 s. The layouts this replaced spent the
+difference in attention: one attention row per token over blocks of one page (8 keys: tiny
+matmuls) took 0.31, 0.39 and 0.70 s, and the padded (8, 32) step for several chunks 0.78 s
+(a chunk-wide query row for every sequence costs 5-9 ms per layer, whatever it holds).
 
-So the step compiles at most four times (three packed sizes and the padded one). Before each
-step the host checks every sequence's write against its pages and the context
+So the step compiles once per bucket (`Engine.buckets`; `compile_buckets` does it up front).
+Before each step the host checks every sequence's write against its pages and the context
 (`paged.check_step`), so an overflow is an error naming the request.
 """
 
@@ -68,8 +73,7 @@ class EngineConfig:
       readmitted) or 'swap' (its cached pages are copied to host memory and restored).
     prefill_budget: most prompt tokens fed per step over all sequences (vLLM's token budget
       of chunked prefill), or None: every prefilling sequence feeds a chunk each step. With
-      `chunk_size`, every step fits the packed bucket of decodes beside one chunk, instead of
-      the padded (max_batch, chunk_size) step that several chunks in one step take.
+      `chunk_size`, every step fits the bucket of decodes beside one chunk.
   """
 
   max_batch: int = 4
@@ -124,15 +128,21 @@ class EngineStats:
     return 1 - self.used_slots / max(self.contiguous_slots, 1)
 
 
-def _buckets(max_batch: int, chunk: int) -> tuple[tuple[int, int], ...]:
-  """Token shapes of the step (module docstring): packed (N, 1) for decodes alone, beside
-  half a chunk (chunks of 16 and more: a short prompt or a prefix hit's rest need not pay
-  for a whole chunk) and beside a chunk, then padded (max_batch, chunk) when more tokens
-  than that can come."""
-  packed = sorted({max_batch, max_batch + chunk // 2 if chunk >= 16 else max_batch,
-                   max_batch + chunk if chunk > 1 else max_batch})
-  padded = [(max_batch, chunk)] if max_batch * chunk > packed[-1] else []
-  return tuple((n, 1) for n in packed) + tuple(padded)
+def _buckets(max_batch: int, chunk: int) -> tuple[tuple[int, int, int], ...]:
+  """(N, W, C) of every step shape (module docstring): N packed tokens, at most C rows
+  feeding more than one token, at most W tokens each. Decodes alone: (max_batch, 1, 0).
+  Beside prompt tokens: max_batch + chunk // 2 tokens with one such row (chunks of 16 and
+  more: a short prompt or a prefix hit's rest need not pay for a whole chunk), max_batch +
+  k chunks with k rows (k = 1, 2, 4, ...), and max_batch * chunk tokens with every row (the
+  most a step can feed); W = min(chunk, N)."""
+  shapes, k = {(max_batch * chunk, max_batch)}, 1
+  if chunk >= 16:
+    shapes.add((max_batch + chunk // 2, 1))
+  while max_batch + k * chunk < max_batch * chunk:
+    shapes.add((max_batch + k * chunk, min(k, max_batch)))
+    k *= 2
+  return ((max_batch, 1, 0),) + tuple((n, min(chunk, n), c) for n, c in sorted(shapes)
+                                      if n > max_batch)
 
 
 _TRACES = [0]  # how often `_step` was traced (= compiled), over every engine
@@ -150,7 +160,7 @@ def _step(graphdef, state, tokens_BT, cache, last_B, params, position_B, seen_BV
   _TRACES[0] += 1  # runs only while tracing
   model = nnx.merge(graphdef, state)
   x_BTD, cache = paged.forward(model, tokens_BT, cache)
-  x_B1D = x_BTD.reshape(-1, 1, x_BTD.shape[-1])[last_B]  # last_B: flat (row * T + t) indices
+  x_B1D = x_BTD.reshape(-1, 1, x_BTD.shape[-1])[last_B]  # last_B: each row's last token
   logits_BV = model.logits(x_B1D)[:, 0]
   draw = lambda x: sample(x, params, row_keys(params.seed_B, position_B), seen_BV)
   if seen_BV is not None:  # the penalty changes the argmax: the general path
@@ -288,9 +298,39 @@ class Engine:
     """Run one batched step; returns (request id, token) of the tokens it generated."""
     return self._run_plan(self.scheduler.schedule())
 
-  def _feed_draft(self, tokens_BT, table, ring, length, num_new) -> None:
-    """Hook: the same step's tokens and cache rows (packed or padded, the module docstring)
-    for a draft model's cache (`SpeculativeEngine`)."""
+  def _feed_draft(self, tokens_N1, layout: dict) -> None:
+    """Hook: the same step's tokens and cache layout (`paged.with_step`'s arguments) for a
+    draft model's cache (`SpeculativeEngine`)."""
+
+  def _layout(self, plan) -> tuple[np.ndarray, dict, np.ndarray, list[str]]:
+    """Packed tokens (N, 1), their cache layout, each row's last token, and the fed ids."""
+    b = self.config.max_batch
+    total, widest = sum(plan.num_new), max(plan.num_new)
+    wide = sum(k > 1 for k in plan.num_new)
+    if widest > self.config.chunk_size:
+      raise RuntimeError(f'Engine: a sequence feeds {widest} tokens in one step, past '
+                         f'chunk_size={self.config.chunk_size}; this is a scheduler bug.')
+    n, w, c = next(x for x in self.buckets if x[0] >= total and x[1] >= widest and x[2] >= wide)
+    tokens = np.zeros((n, 1), np.int32)
+    table = np.zeros((b, self.max_pages), np.int32)
+    ring = np.zeros((b, self.cache.ring_table.shape[1]), np.int32)
+    length, num_new = np.zeros(b, np.int32), np.zeros(b, np.int32)
+    seq_of, slot_of = np.zeros(n, np.int32), np.full(n, w, np.int32)  # padding: slot w
+    last, names, at = np.zeros(b, np.int32), [], 0
+    for row, (seq, k) in enumerate(zip(plan.rows, plan.num_new)):
+      if seq is None or not k:
+        continue
+      tokens[at:at + k, 0] = seq.tokens[seq.num_cached:seq.num_cached + k]
+      seq_of[at:at + k], slot_of[at:at + k] = row, np.arange(k)
+      table[row, :len(seq.pages)] = seq.pages
+      ring[row, :len(seq.ring_pages)] = seq.ring_pages
+      length[row], num_new[row] = seq.num_cached, k
+      at += k
+      last[row] = at - 1
+      names.append(seq.id)
+    layout = dict(block_table=table, ring_table=ring, length=length, num_new=num_new,
+                  seq_of=seq_of, slot_of=slot_of, att_width=w, att_wide=c)
+    return tokens, layout, last, names
 
   def _run_plan(self, plan) -> list[tuple[str, int]]:
     """One batched step of `plan` (the scheduler's)."""
@@ -300,33 +340,12 @@ class Engine:
                            'be admitted into an idle engine; this is a scheduler bug.')
       return []
     b, p = self.config.max_batch, self.config.page_size
-    rows, t = next((x for x in self.buckets if x[1] == 1 and x[0] >= sum(plan.num_new)),
-                   self.buckets[-1])
-    packed = t == 1 and rows >= sum(plan.num_new)
-    # Packed: one cache row per fed token; padded: one per sequence. Rows (or slots) past
-    # the fed tokens are padding: sink pages, num_new 0.
-    tokens = np.zeros((rows, t), np.int32)
-    table = np.zeros((rows, self.max_pages), np.int32)
-    ring = np.zeros((rows, self.cache.ring_table.shape[1]), np.int32)
-    length, num_new = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-    last, position = np.zeros(b, np.int32), np.zeros(b, np.int32)
-    names, params, at = [], [SamplingParams(temperature=0.0)] * b, 0
+    tokens, layout, last, names = self._layout(plan)
+    position, params = np.zeros(b, np.int32), [SamplingParams(temperature=0.0)] * b
     for row, (seq, n) in enumerate(zip(plan.rows, plan.num_new)):
       if seq is None or not n:
         continue
-      fed = seq.tokens[seq.num_cached:seq.num_cached + n]
-      if packed:
-        at, r = at + n, slice(at, at + n)
-        tokens[r, 0], length[r], num_new[r] = fed, seq.num_cached + np.arange(n), 1
-        last[row] = at - 1
-      else:
-        r = row
-        tokens[r, :n], length[r], num_new[r] = fed, seq.num_cached, n
-        last[row] = row * t + n - 1
-      table[r, :len(seq.pages)] = seq.pages
-      ring[r, :len(seq.ring_pages)] = seq.ring_pages
       position[row], params[row] = len(seq.output), seq.params
-      names.append(seq.id)
       if len(seq.tokens) - seq.num_cached > 1 or not seq.output:
         self.stats.prefill_tokens += n
       else:
@@ -335,8 +354,8 @@ class Engine:
     paged.check_step(names, [plan.rows[r].num_cached for r in live],
                      [plan.num_new[r] for r in live], [len(plan.rows[r].pages) for r in live],
                      p, self.max_len)
-    self.cache = paged.with_step(self.cache, table, ring, length, num_new)
-    self._feed_draft(tokens, table, ring, length, num_new)
+    self.cache = paged.with_step(self.cache, **layout)
+    self._feed_draft(tokens, layout)
     seen = None  # the repetition penalty's tokens seen (prompt and output), when one asks
     if any(prm.repetition_penalty != 1 for prm in params):
       seen = np.zeros((b, self.model.config.vocab_size), bool)
@@ -362,12 +381,13 @@ class Engine:
     page), so later steps never compile; returns this engine's compilations so far."""
     b = self.config.max_batch
     params = SamplingBatch.stack([SamplingParams(temperature=0.0)] * b)
-    for rows, t in self.buckets:
-      zeros = lambda *shape: np.zeros(shape, np.int32)
-      self.cache = paged.with_step(self.cache, zeros(rows, self.max_pages),
-                                   zeros(rows, self.cache.ring_table.shape[1]), zeros(rows),
-                                   zeros(rows))
-      out = _step(self.graphdef, self.state, jnp.asarray(zeros(rows, t)), self.cache,
+    zeros = lambda *shape: np.zeros(shape, np.int32)
+    for n, w, c in self.buckets:
+      self.cache = paged.with_step(
+          self.cache, zeros(b, self.max_pages), zeros(b, self.cache.ring_table.shape[1]),
+          zeros(b), zeros(b), seq_of=zeros(n), slot_of=np.full(n, w), att_width=w,
+          att_wide=c)
+      out = _step(self.graphdef, self.state, jnp.asarray(zeros(n, 1)), self.cache,
                   jnp.asarray(zeros(b)), params, jnp.asarray(zeros(b)), None)
       self.cache = jax.block_until_ready(out)[2]
     self.stats.compilations = _TRACES[0] - self._traces_before

@@ -116,10 +116,10 @@ class SpeculativeEngine(Engine):
                        "round's draft tokens); use 1.0.")
     return super().add_request(prompt, params, request_id)
 
-  def _feed_draft(self, tokens_BT, table, ring, length, num_new) -> None:
-    self.dcache = paged.with_step(self.dcache, table, np.zeros((table.shape[0], 0)), length,
-                                  num_new)
-    self.dcache = _feed(self.dgraph, self.dstate, jnp.asarray(tokens_BT), self.dcache)
+  def _feed_draft(self, tokens_N1, layout: dict) -> None:
+    no_ring = np.zeros((len(layout['length']), 0))  # the draft's pools have no ring layers
+    self.dcache = paged.with_step(self.dcache, **dict(layout, ring_table=no_ring))
+    self.dcache = _feed(self.dgraph, self.dstate, jnp.asarray(tokens_N1), self.dcache)
 
   def step(self) -> list[tuple[str, int]]:
     plan = self.scheduler.schedule()

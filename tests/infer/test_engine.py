@@ -38,8 +38,9 @@ def test_batched_outputs_equal_greedy_generation_alone(model):
   for prompt, n, out in zip(_prompts(), MAX_TOKENS, outs):
     assert out == _alone(model, prompt, n)
   st = engine.stats
-  # Packed (2, 1) and (10, 1), padded (2, 8) for two chunks at once.
-  assert 1 <= st.compilations <= len(engine.buckets) == 3
+  # Decodes (2 tokens); 10 (decodes beside a chunk) and 16 (two chunks at once).
+  assert engine.buckets == ((2, 1, 0), (10, 8, 1), (16, 8, 2))
+  assert 1 <= st.compilations <= len(engine.buckets)
   assert st.prefill_tokens == sum(PROMPT_LENS) and st.preemptions == 0
   assert st.decode_tokens == sum(MAX_TOKENS) - len(MAX_TOKENS)
   assert engine.allocator.num_free == 30  # every page returned
@@ -47,11 +48,11 @@ def test_batched_outputs_equal_greedy_generation_alone(model):
 
 
 def test_every_step_shape_is_a_compiled_bucket_and_half_chunks_stay_exact(model):
-  """Chunks of 16: packed steps of 2 (decodes), 10 (beside half a chunk) and 18 tokens, and
-  the padded (2, 16) step when two chunks share a step. After `compile_buckets` serving
-  compiles nothing, and every layout gives each prompt's tokens alone."""
+  """Chunks of 16: steps of 2 tokens (decodes), 10 (beside half a chunk), 18 (beside a chunk)
+  and 32 (two chunks). After `compile_buckets` serving compiles nothing, and every bucket
+  gives each prompt's tokens alone."""
   engine = Engine(model, EngineConfig(max_batch=2, page_size=4, num_pages=33, chunk_size=16))
-  assert engine.buckets == ((2, 1), (10, 1), (18, 1), (2, 16))
+  assert engine.buckets == ((2, 1, 0), (10, 10, 1), (18, 16, 1), (32, 16, 2))
   compiled = engine.compile_buckets()
   assert 1 <= compiled <= 4
   params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
@@ -60,10 +61,10 @@ def test_every_step_shape_is_a_compiled_bucket_and_half_chunks_stay_exact(model)
   assert engine.stats.compilations == compiled
 
 
-def test_a_prefill_budget_keeps_every_step_packed_and_outputs_exact(model):
+def test_a_prefill_budget_keeps_every_step_in_the_one_chunk_bucket_and_outputs_exact(model):
   """3 rows, chunks of 8, a budget of 8 prompt tokens per step: the prompts of 19 and 9
-  tokens never feed two chunks in one step, so no step takes the padded (3, 8) bucket, and
-  every request still gets its tokens alone (as without a budget, which does pad)."""
+  tokens never feed two chunks in one step, so no step takes the 19- or 24-token bucket,
+  and every request still gets its tokens alone (as without a budget, which takes them)."""
   params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
   fed = {}
   for budget in (None, 8):
@@ -78,8 +79,8 @@ def test_a_prefill_budget_keeps_every_step_packed_and_outputs_exact(model):
     fed[budget] = (max(prompt_fed), max(sum(pl.num_new) for pl in plans))
     assert engine.stats.prefill_tokens == sum(PROMPT_LENS)
     assert engine.allocator.num_free == 30
-  assert fed[None][0] > 8 and fed[None][1] > 3 + 8  # two chunks at once: the padded step
-  assert fed[8][0] <= 8 and fed[8][1] <= 3 + 8  # always the packed bucket
+  assert fed[None][0] > 8 and fed[None][1] > 3 + 8  # two chunks at once: 19 or 24 tokens
+  assert fed[8][0] <= 8 and fed[8][1] <= 3 + 8  # always 3 or 11 tokens
   with pytest.raises(ValueError, match='prefill_budget=0 must be a positive integer'):
     EngineConfig(prefill_budget=0)
 
@@ -180,7 +181,7 @@ def test_sharded_engine_gives_the_unsharded_tokens(model, eight_devices):
   for pool in engine.cache.k + engine.cache.v:  # still split after the steps
     assert pool.sharding.spec[0] == ('x', 'y', 'z') and len(pool.sharding.device_set) == 8
   assert engine.ring_allocator.num_pages == 16  # 1 + 2 rings of 4 pages, rounded up
-  assert engine.stats.compilations <= len(engine.buckets) == 3
+  assert engine.stats.compilations <= len(engine.buckets) == 3  # 2, 10 and 16 tokens
   with pytest.raises(ValueError, match='pool k\\[1\\] dim 0 \\(cache_batch\\) has 20 entries, '
                                        'which layout wg_xyz\\+mq_batch splits 8 ways'):
     Engine(model, EngineConfig(num_pages=20, page_size=4), mesh=mesh, layout='wg_xyz+mq_batch')

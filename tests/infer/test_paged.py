@@ -71,6 +71,62 @@ def test_paged_decode_equals_contiguous_decode_for_ragged_rows(fmt):
                                atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize('fmt', [None, 'int4'])
+def test_packed_steps_over_blocks_of_several_pages_equal_contiguous_prefill(fmt, monkeypatch):
+  """Packed steps (tokens (N, 1), each row's tokens one after another, attended together in
+  that row) with key blocks of 2 pages: a block table of 9 pages (5 blocks, the last padded
+  with the sink) and rings of 3 pages (2 blocks, the slots past the ring masked). Rows of
+  15, 3 and 9 tokens feed chunks of 4 into one bucket of 12 tokens (row 1 idle once done,
+  row 2's last token attending as a one-token row, padding tokens at the end, later steps
+  with fewer multi-token rows than the 3 the layout holds); every position's logits equal
+  the contiguous cache's."""
+  from qjax.infer import paged
+  monkeypatch.setattr(paged, 'KEYS_PER_BLOCK', 2 * P)
+  model = with_kv_format(Transformer(CFG, rngs=nnx.Rngs(0)), fmt)
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def step(state, tokens_N1, cache):
+    m = nnx.merge(graphdef, state)
+    x_N1D, cache = paged_forward(m, tokens_N1, cache)
+    return m.logits(x_N1D)[:, 0], cache
+
+  seqs = [np.asarray(_tokens(t, seed)[0]) for t, seed in ((15, 1), (3, 2), (9, 3))]
+  chunk, n, ring = 4, 12, 3
+  cache = init_paged_cache(CFG, num_pages=14, page_size=P, batch=3, max_pages=9,
+                           ring_pages=ring, num_ring_pages=1 + 3 * ring, fmt=fmt)
+  table = np.zeros((3, 9), np.int32)
+  table[0, :4], table[1, :1], table[2, :3] = [13, 2, 7, 5], [11], [3, 9, 1]
+  rings = np.arange(1, 1 + 3 * ring).reshape(3, ring)[::-1]
+  got, done = [{}, {}, {}], [0, 0, 0]
+  while done[0] < len(seqs[0]):
+    new = [min(chunk, len(s) - d) for s, d in zip(seqs, done)]
+    fed = np.concatenate([s[d:d + k] for s, d, k in zip(seqs, done, new)])
+    tokens = np.zeros((n, 1), np.int32)
+    tokens[:len(fed), 0] = fed
+    seq_of = np.concatenate([np.repeat(np.arange(3), new), np.zeros(n - len(fed), int)])
+    slot_of = np.concatenate([np.arange(k) for k in new] + [np.full(n - len(fed), chunk)])
+    cache = with_step(cache, table, rings, done, new, seq_of=seq_of, slot_of=slot_of,
+                      att_width=chunk, att_wide=3)
+    logits, cache = step(state, jnp.asarray(tokens), cache)
+    at = 0
+    for i, k in enumerate(new):
+      got[i].update({done[i] + t: np.asarray(logits[at + t]) for t in range(k)})
+      at, done[i] = at + k, done[i] + k
+  np.testing.assert_array_equal(cache.length, [15, 3, 9])
+  for i, s in enumerate(seqs):
+    want = _contiguous_logits(model, fmt, jnp.asarray(s)[None])
+    np.testing.assert_allclose(np.stack([got[i][t] for t in range(len(s))]), want, rtol=2e-5,
+                               atol=2e-5 * np.abs(want).max())
+  with pytest.raises(ValueError, match='a packed step needs the rows\' tokens one after '
+                                       'another'):
+    with_step(cache, table, rings, done, [1, 0, 1], seq_of=[2, 0, 0], slot_of=[0, 0, 4],
+              att_width=4, att_wide=1)
+  with pytest.raises(ValueError, match='at most att_wide = 1 rows of more than one token'):
+    with_step(cache, table, rings, done, [2, 0, 2], seq_of=[0, 0, 2, 2],
+              slot_of=[0, 1, 0, 1], att_width=4, att_wide=1)
+
+
 def test_allocator_frees_and_reuses_pages_with_reference_counts():
   alloc = PageAllocator(5)
   assert alloc.num_free == 4
