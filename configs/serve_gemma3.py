@@ -61,6 +61,10 @@ Measured (quick mode, idle: load average 1.2-1.8, 2026-12-03, ~7.5 min, RSS 2.3 
   8 rows (--config.quick_rows=8), pages of 16: 1.22x, 1.40x (1.23-1.70); static / continuous
   steps 1.24x, 1.81-2.14x, but a continuous step cost 1.3-1.45x a static one (several chunks
   in one step take the padded (8, 32) step).
+Measured (quick mode, idle, 2026-12-03, after the varlen step: one flat token list per step,
+  attention regrouped by sequence; ~6.8 min, RSS 3.1 GB): 4 rows: 1.60x uniform, 1.69x
+  heavy-tailed pooled (1.56-1.79 per seed); 8 rows (--config.quick_rows=8): 1.61x, 1.82x
+  (1.72-1.99); waste 2.0-4.2%; prefix-hit TTFT 5.3-5.4x.
 Expected result: continuous >= 2x static throughput (static runs every batch to its longest
   output); system-prompt requests' TTFT several times lower with prefix caching, outputs
   identical; int8 / int4 caches fit ~3.9x / ~7.8x the sequences of the float32 cache (~2x /
