@@ -16,12 +16,13 @@ from qjax.infer.speculative_core import acceptance_prob, expected_tokens_per_pas
 # --- end sampling and speculative decoding ---
 
 # --- engine: blockwise attention, paged KV cache, scheduler, prefix cache, traces (blockwise.py,
-# paged.py, scheduler.py, prefix_cache.py, engine.py, spec_engine.py, trace.py, serving.py) ---
+# paged.py, page_host.py, scheduler.py, prefix_cache.py, engine.py, spec_engine.py, trace.py,
+# serving.py) ---
 from qjax.infer.blockwise import (attention_temp_bytes, bucket_perplexity, forward_temp_bytes,
                                   token_nll, with_attention_impl)
-from qjax.infer.paged import (POOL_AXES, PageAllocator, PagedKVCache, check_step,
-                              init_paged_cache, read_pages, ring_pages_needed, shard_pools,
-                              with_step, write_pages)
+from qjax.infer.paged import (POOL_AXES, PagedKVCache, init_paged_cache, ring_pages_needed,
+                              shard_pools, with_step)
+from qjax.infer.page_host import PageAllocator, check_step, read_pages, write_pages
 from qjax.infer.paged import forward as paged_forward
 from qjax.infer.prefix_cache import PrefixCache, block_hashes
 from qjax.infer.scheduler import PREEMPTION_MODES, Scheduler, StepPlan

@@ -29,7 +29,7 @@ matmuls) took 0.31, 0.39 and 0.70 s, and the padded (8, 32) step for several chu
 
 So the step compiles once per bucket (`Engine.buckets`; `compile_buckets` does it up front).
 Before each step the host checks every sequence's write against its pages and the context
-(`paged.check_step`), so an overflow is an error naming the request.
+(`page_host.check_step`), so an overflow is an error naming the request.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qjax.infer import paged
+from qjax.infer import page_host, paged
 from qjax.infer.prefix_cache import PrefixCache
 from qjax.infer.sampling import SamplingBatch, SamplingParams, finish_reason, row_keys, sample
 from qjax.infer.scheduler import PREEMPTION_MODES, Scheduler
@@ -212,8 +212,8 @@ class Engine:
       rules = sharding.layout_rules(layout)
       ways = int(np.prod([mesh.shape[a] for a in rules.axes(paged.POOL_AXES[0])]))
       num_ring = -(-num_ring // ways) * ways if ring else 0  # spare ring pages: never used
-    self.allocator = paged.PageAllocator(config.num_pages)
-    self.ring_allocator = paged.PageAllocator(num_ring) if ring else None
+    self.allocator = page_host.PageAllocator(config.num_pages)
+    self.ring_allocator = page_host.PageAllocator(num_ring) if ring else None
     self.prefix_cache = PrefixCache(self.allocator, p) if config.prefix_caching else None
     self.buckets = _buckets(config.max_batch, config.chunk_size)
     self.scheduler = Scheduler(max_batch=config.max_batch, chunk_size=config.chunk_size,
@@ -242,13 +242,13 @@ class Engine:
   def _swap_out(self, seq: SeqState):
     """Host copy of the pages holding `seq`'s cached positions (and its ring)."""
     pages = seq.pages[:self.scheduler.pages_for(seq.num_cached)]
-    host, nbytes = paged.read_pages(self.cache, pages, seq.ring_pages)
+    host, nbytes = page_host.read_pages(self.cache, pages, seq.ring_pages)
     self.stats.swapped_bytes += nbytes
     return len(pages), host
 
   def _swap_in(self, seq: SeqState, handle) -> None:
     n, host = handle
-    self.cache = paged.write_pages(self.cache, seq.pages[:n], seq.ring_pages, host)
+    self.cache = page_host.write_pages(self.cache, seq.pages[:n], seq.ring_pages, host)
 
   # ---- requests ----------------------------------------------------------------------------
   def add_request(self, prompt: Union[str, Sequence[int]],
@@ -302,8 +302,9 @@ class Engine:
     """Hook: the same step's tokens and cache layout (`paged.with_step`'s arguments) for a
     draft model's cache (`SpeculativeEngine`)."""
 
-  def _layout(self, plan) -> tuple[np.ndarray, dict, np.ndarray, list[str]]:
-    """Packed tokens (N, 1), their cache layout, each row's last token, and the fed ids."""
+  def _layout(self, plan) -> tuple[np.ndarray, dict, np.ndarray]:
+    """Packed tokens (N, 1), their cache layout (`paged.with_step`'s arguments) and each
+    row's last token."""
     b = self.config.max_batch
     total, widest = sum(plan.num_new), max(plan.num_new)
     wide = sum(k > 1 for k in plan.num_new)
@@ -316,7 +317,7 @@ class Engine:
     ring = np.zeros((b, self.cache.ring_table.shape[1]), np.int32)
     length, num_new = np.zeros(b, np.int32), np.zeros(b, np.int32)
     seq_of, slot_of = np.zeros(n, np.int32), np.full(n, w, np.int32)  # padding: slot w
-    last, names, at = np.zeros(b, np.int32), [], 0
+    last, at = np.zeros(b, np.int32), 0
     for row, (seq, k) in enumerate(zip(plan.rows, plan.num_new)):
       if seq is None or not k:
         continue
@@ -327,10 +328,9 @@ class Engine:
       length[row], num_new[row] = seq.num_cached, k
       at += k
       last[row] = at - 1
-      names.append(seq.id)
     layout = dict(block_table=table, ring_table=ring, length=length, num_new=num_new,
                   seq_of=seq_of, slot_of=slot_of, att_width=w, att_wide=c)
-    return tokens, layout, last, names
+    return tokens, layout, last
 
   def _run_plan(self, plan) -> list[tuple[str, int]]:
     """One batched step of `plan` (the scheduler's)."""
@@ -340,7 +340,7 @@ class Engine:
                            'be admitted into an idle engine; this is a scheduler bug.')
       return []
     b, p = self.config.max_batch, self.config.page_size
-    tokens, layout, last, names = self._layout(plan)
+    tokens, layout, last = self._layout(plan)
     position, params = np.zeros(b, np.int32), [SamplingParams(temperature=0.0)] * b
     for row, (seq, n) in enumerate(zip(plan.rows, plan.num_new)):
       if seq is None or not n:
@@ -350,10 +350,10 @@ class Engine:
         self.stats.prefill_tokens += n
       else:
         self.stats.decode_tokens += n
-    live = [r for r, s in enumerate(plan.rows) if s is not None and plan.num_new[r]]
-    paged.check_step(names, [plan.rows[r].num_cached for r in live],
-                     [plan.num_new[r] for r in live], [len(plan.rows[r].pages) for r in live],
-                     p, self.max_len)
+    live = [(s, n) for s, n in zip(plan.rows, plan.num_new) if s is not None and n]
+    page_host.check_step([s.id for s, _ in live], [s.num_cached for s, _ in live],
+                         [n for _, n in live], [len(s.pages) for s, _ in live], p,
+                         self.max_len)
     self.cache = paged.with_step(self.cache, **layout)
     self._feed_draft(tokens, layout)
     seen = None  # the repetition penalty's tokens seen (prompt and output), when one asks

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from qjax.infer.paged import PageAllocator
+from qjax.infer.page_host import PageAllocator
 
 
 def block_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:

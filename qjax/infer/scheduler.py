@@ -23,7 +23,7 @@ import collections
 import dataclasses
 from typing import Any, Callable, Optional
 
-from qjax.infer.paged import PageAllocator
+from qjax.infer.page_host import PageAllocator
 from qjax.infer.prefix_cache import PrefixCache
 
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qjax.infer import paged, speculative_core
+from qjax.infer import page_host, paged, speculative_core
 from qjax.infer.engine import Engine, EngineConfig
 from qjax.infer.sampling import SamplingBatch, SamplingParams, processed_logits, row_keys
 from qjax.infer.speculative import _ACCEPT, _DRAFT, _FINAL, SpecStats, check_compatible
@@ -145,7 +145,7 @@ class SpeculativeEngine(Engine):
         table[row, :len(seq.pages)] = seq.pages
         length[row], cur[row], gen[row] = seq.num_cached, seq.tokens[-1], len(seq.output)
         num_new[row], params[row] = 1, seq.params
-    paged.check_step([s.id for s in plan.rows if s is not None], length[num_new > 0],
+    page_host.check_step([s.id for s in plan.rows if s is not None], length[num_new > 0],
                      (g + 1) * num_new[num_new > 0],
                      [len(s.pages) for s in plan.rows if s is not None],
                      self.config.page_size, self.max_len)

@@ -27,11 +27,8 @@ def _contiguous_logits(model, fmt, seq_1T):
   return np.asarray(logits[0])
 
 
-@pytest.mark.parametrize('fmt', [None, 'int8', 'int4', 'fp8'])
-def test_paged_decode_equals_contiguous_decode_for_ragged_rows(fmt):
-  """Row 0 prefills 11 tokens in chunks of 4 while row 1 (3 tokens) is already decoding;
-  row 0's ring (2 pages of 4 for a window of 5) wraps around."""
-  model = with_kv_format(Transformer(CFG, rngs=nnx.Rngs(0)), fmt)
+def _jitted_step(model):
+  """(step, state): `step(state, tokens_BT, cache)` -> (logits_BTV, cache), jitted."""
   graphdef, state = nnx.split(model)
 
   @jax.jit
@@ -39,6 +36,15 @@ def test_paged_decode_equals_contiguous_decode_for_ragged_rows(fmt):
     m = nnx.merge(graphdef, state)
     x_BTD, cache = paged_forward(m, tokens_BT, cache)
     return m.logits(x_BTD), cache
+  return step, state
+
+
+@pytest.mark.parametrize('fmt', [None, 'int8', 'int4', 'fp8'])
+def test_paged_decode_equals_contiguous_decode_for_ragged_rows(fmt):
+  """Row 0 prefills 11 tokens in chunks of 4 while row 1 (3 tokens) is already decoding;
+  row 0's ring (2 pages of 4 for a window of 5) wraps around."""
+  model = with_kv_format(Transformer(CFG, rngs=nnx.Rngs(0)), fmt)
+  step, state = _jitted_step(model)
 
   seqs = [np.asarray(_tokens(15, 1)[0]), np.asarray(_tokens(8, 2)[0])]
   chunk = 4
@@ -83,13 +89,7 @@ def test_packed_steps_over_blocks_of_several_pages_equal_contiguous_prefill(fmt,
   from qjax.infer import paged
   monkeypatch.setattr(paged, 'KEYS_PER_BLOCK', 2 * P)
   model = with_kv_format(Transformer(CFG, rngs=nnx.Rngs(0)), fmt)
-  graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def step(state, tokens_N1, cache):
-    m = nnx.merge(graphdef, state)
-    x_N1D, cache = paged_forward(m, tokens_N1, cache)
-    return m.logits(x_N1D)[:, 0], cache
+  step, state = _jitted_step(model)
 
   seqs = [np.asarray(_tokens(t, seed)[0]) for t, seed in ((15, 1), (3, 2), (9, 3))]
   chunk, n, ring = 4, 12, 3
@@ -111,7 +111,7 @@ def test_packed_steps_over_blocks_of_several_pages_equal_contiguous_prefill(fmt,
     logits, cache = step(state, jnp.asarray(tokens), cache)
     at = 0
     for i, k in enumerate(new):
-      got[i].update({done[i] + t: np.asarray(logits[at + t]) for t in range(k)})
+      got[i].update({done[i] + t: np.asarray(logits[at + t, 0]) for t in range(k)})
       at, done[i] = at + k, done[i] + k
   np.testing.assert_array_equal(cache.length, [15, 3, 9])
   for i, s in enumerate(seqs):
