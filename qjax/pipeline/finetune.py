@@ -39,7 +39,7 @@ from qjax.eval import process as qprocess
 from qjax import train as qtrain
 from qjax.algorithms import apply_method
 from qjax.nn import weight_bytes
-from qjax.pipeline import ptq
+from qjax.pipeline import finetune_plot, ptq
 from qjax.train import data as qdata
 from qjax.train import lora, lora_io
 from qjax.train.optim import make_optimizer
@@ -395,6 +395,8 @@ def run_finetune_sweep(config, points: list[dict], ctx: FinetuneContext, log=pri
   rows = qeval.run_sweep(named, run_point, results, log=log, keys=keys)
   with open(os.path.join(config.out_dir, 'table.md'), 'w') as f:
     f.write(qeval.markdown_table(all_rows(results), COLUMNS) + '\n')
+  finetune_plot.plot_finetune(all_rows(results), os.path.join(config.out_dir, 'plot.png'),
+                              f'fine-tuning sweep: {config.model_source}')
   return rows
 
 

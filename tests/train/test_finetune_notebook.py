@@ -12,7 +12,8 @@ def test_qlora_notebook_runs(run_notebook):
                'adapters reloaded onto the same base: True', 'wrong base refused: True',
                'QLoRA improves on the quantized base: True',
                'merged + re-quantized reloads bit-identical: True',
-               'adapter_merge_status: merged: ', "'before_merge_ppl'", "'after_merge_ppl'"):
+               'adapter_merge_status: merged: ', "'before_merge_ppl'", "'after_merge_ppl'",
+               'plot written: True'):
     assert fact in text, (fact, text)
   assert 'trained on base' in text  # the refusal names the mismatch
   # Reloaded adapters, merged and re-quantized again by RTN: the same model, the same ppl;
