@@ -49,7 +49,7 @@ COLUMNS = (('name', 'point'), ('kind', 'kind'), ('base_format', 'base'), ('rank'
            ('ppl', 'ppl'), ('merged_float_ppl', 'merged float ppl'),
            ('merged_ppl', 'merged + requantized ppl'),
            ('trainable_params', 'trainable params'), ('train_steps', 'steps'),
-           ('step_seconds', 'step s (under load)'), ('train_peak_rss_mib', 'peak RSS MiB'),
+           ('step_seconds', 'step s'), ('train_peak_rss_mib', 'peak RSS MiB'),
            ('steady_peak_rss_mib', 'peak RSS after step 1, MiB'),
            ('train_loss_first', 'loss first'), ('train_loss_last', 'loss last'))
 

@@ -42,7 +42,7 @@ KINDS = ('float', 'ptq', 'qat', 'float_ft')
 COLUMNS = (('name', 'point'), ('kind', 'kind'), ('weight_format', 'weights'),
            ('kv', 'KV cache'), ('ppl', 'ppl'), ('recovered', 'recovered (vs float)'),
            ('recovered_vs_ft', 'recovered (vs float FT)'), ('train_steps', 'steps'),
-           ('trainable_params', 'trainable params'), ('step_seconds', 'step s (under load)'),
+           ('trainable_params', 'trainable params'), ('step_seconds', 'step s'),
            ('train_peak_rss_mib', 'peak RSS MiB'),
            ('steady_peak_rss_mib', 'peak RSS after step 1, MiB'),
            ('train_loss_first', 'loss first'), ('train_loss_last', 'loss last'))
