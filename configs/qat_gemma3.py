@@ -29,7 +29,11 @@ Expected run time (measured under load, load average 10-25 on 2 shared cores): 3
   the command above: load + float ppl ~1.5 min, RTN start ~2 min, QAT 20 steps 23 min
   (30-58 s a step, the first 190 s with the compile), float fine-tune 20 steps 6 min (13 s a
   step); GPTQ's quantization takes > 20 min under that load.
-Expected result (measured under load, 4 windows of WikiText-2 valid): float 29.45, RTN int4
+Expected result (200 steps from GPTQ, idle, 2026-12-03: --config.quant.method=gptq
+  --config.qat.steps=200 --config.qat.warmup=10): float 29.45, GPTQ int4 g128 41.00, QAT +
+  distillation 22.07 (0.78 of the gap vs the float model fine-tuned 200 steps, 16.85); KV-int4
+  200.2 -> 41.54; int3 g128 199.3 -> 67.36; 8.9 s a QAT step, 51 + 38 + 37 min.
+Earlier (measured under load, 4 windows of WikiText-2 valid): float 29.45, RTN int4
   g128 67.72, QAT + distillation (20 steps) 54.70 (recovered 0.34 of the gap; 0.27 against
   the fine-tuned float model, 20.37), peak RSS 8.2 GB (VmHWM; /usr/bin/time max RSS 7.1 GB);
   GPTQ's start 40.78 (an earlier run). See docs/readme/training.md.

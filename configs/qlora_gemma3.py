@@ -35,6 +35,9 @@ Expected result (measured under load; docs/readme/training.md): held-out ppl flo
   int4 g128 RTN base 63.19, QLoRA r4 32.80 / r16 32.76 (0.35% / 1.4% of the parameters
   trained, peak RSS 4.6 GiB), merged + re-quantized by RTN 61.05 / 61.40 (RTN rounds the
   update away), by GPTQ (export point) 34.95; bf16 full fine-tune 33.36 at 7.2 GiB peak RSS.
+Base-precision points (idle, 2026-12-03, 23 min for float + the bases and rank-16 points):
+  GPTQ int4 base 35.27 -> QLoRA 28.70 (RTN-merged 34.95); int8 channel 30.70 -> 26.30 (26.33);
+  RTN int3 g128 6197 -> 66.30 (4236); 5.0-5.7 s a step idle.
 """
 
 import ml_collections
