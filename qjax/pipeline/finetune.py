@@ -393,9 +393,10 @@ def run_finetune_sweep(config, points: list[dict], ctx: FinetuneContext, log=pri
 
   results = os.path.join(config.out_dir, 'results.jsonl')
   rows = qeval.run_sweep(named, run_point, results, log=log, keys=keys)
+  every_row = all_rows(results)  # every point so far (runs with --config.only accumulate)
   with open(os.path.join(config.out_dir, 'table.md'), 'w') as f:
-    f.write(qeval.markdown_table(all_rows(results), COLUMNS) + '\n')
-  finetune_plot.plot_finetune(all_rows(results), os.path.join(config.out_dir, 'plot.png'),
+    f.write(qeval.markdown_table(every_row, COLUMNS) + '\n')
+  finetune_plot.plot_finetune(every_row, os.path.join(config.out_dir, 'plot.png'),
                               f'fine-tuning sweep: {config.model_source}')
   return rows
 

@@ -13,15 +13,11 @@ PPL_BARS = (('base_ppl', 'quantized base'), ('ppl', 'point (adapted / trained / 
 
 def plotted_values(rows: Sequence[dict]) -> dict:
   """What `plot_finetune` draws, as numbers: {'ppl': {point: {bar label: ppl}},
-  'memory': {point: (trainable params, peak RSS MiB)}} over the finished rows; the base_ppl
-  bar only where the row's own 'ppl' is not that base's (QLoRA and export points)."""
+  'memory': {point: (trainable params, peak RSS MiB)}} over the finished rows (only QLoRA
+  and export rows carry a 'base_ppl' beside their own)."""
   ok = [r for r in rows if r.get('status', 'ok') == 'ok' and 'ppl' in r]
-  ppl = {}
-  for r in ok:
-    bars = {label: float(r[k]) for k, label in PPL_BARS if r.get(k) is not None}
-    if r.get('kind') not in ('qlora', 'export'):
-      bars.pop('quantized base', None)
-    ppl[r['name']] = bars
+  ppl = {r['name']: {label: float(r[k]) for k, label in PPL_BARS if r.get(k) is not None}
+         for r in ok}
   memory = {r['name']: (int(r['trainable_params']), float(r['train_peak_rss_mib']))
             for r in ok if r.get('trainable_params') and r.get('train_peak_rss_mib')}
   return {'ppl': ppl, 'memory': memory}
