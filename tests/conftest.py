@@ -16,12 +16,27 @@ _JAXLIB = tuple(int(p) for p in _metadata.version('jaxlib').split('.')[:2])
 # tolerance is that tight asks for `full_optimization`. jaxlib 0.12 has neither XLA flag (an
 # unknown flag aborts the process) and gains nothing from it (22.2 s vs 22.8 s), so it gets
 # level 0 only. JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite at the defaults.
-_FAST_COMPILE_FLAGS = (' --xla_cpu_use_fusion_emitters=false'
-                       ' --xla_cpu_parallel_codegen_split_count=1' if _JAXLIB < (0, 11) else '')
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8' +
-                      _FAST_COMPILE_FLAGS)
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
+_FAST_COMPILE = os.environ['JAX_DISABLE_MOST_OPTIMIZATIONS'].lower() in ('1', 'true')
+_FAST_COMPILE_FLAGS = (' --xla_cpu_use_fusion_emitters=false'
+                       ' --xla_cpu_parallel_codegen_split_count=1'
+                       if _JAXLIB < (0, 11) and _FAST_COMPILE else '')
+
+
+def _with_flags(xla_flags, extra):
+  """`xla_flags` plus each flag of `extra` whose name it does not already set."""
+  have = {f.split('=')[0] for f in xla_flags.split()}
+  return ' '.join([*xla_flags.split(), *(f for f in extra.split() if f.split('=')[0] not in have)])
+
+
+# Added to what the caller set, not only when XLA_FLAGS is unset: `make test` exports
+# XLA_FLAGS=--xla_force_host_platform_device_count=8, and a setdefault left the suite at
+# the slow emitters there. Measured A/B, one process, tests/nn/test_transformer.py and
+# tests/core/test_qarray_layout.py (45 tests): 107 s with the setdefault, 80 s with this.
+os.environ['XLA_FLAGS'] = _with_flags(os.environ.get('XLA_FLAGS', ''),
+                                      '--xla_force_host_platform_device_count=8' +
+                                      _FAST_COMPILE_FLAGS)
 # A compilation cache shared by the xdist workers and the subprocesses the tests start (they
 # inherit the environment): much of the suite's CPU time is XLA compiling the same small
 # programs again in another process. It is fresh for every run (a temporary folder made by the
@@ -68,8 +83,9 @@ def eight_devices():
 @pytest.fixture
 def full_optimization():
   """Compile this test's programs at XLA's full optimization level (the suite compiles at
-  level 0, above), for a tolerance tighter than the last-bit differences between the two.
-  jax's caches are dropped on the way in and out, so no executable crosses the boundary."""
+  level 0, above), for a tolerance tighter than the last-bit differences between the two (the
+  jaxlib 0.10 emitter flags are process-wide and stay: the tolerance holds with them). jax's
+  caches are dropped on the way in and out, so no executable crosses the boundary."""
   jax.clear_caches()
   jax.config.update('jax_disable_most_optimizations', False)
   yield

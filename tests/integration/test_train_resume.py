@@ -8,7 +8,10 @@ import sys
 
 from conftest import ROOT, tiny_flags
 
-ENV = dict(os.environ, XLA_FLAGS='', JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
+# One device (no simulated mesh); the suite's other XLA flags (fast compiles) kept.
+XLA_FLAGS = ' '.join(f for f in os.environ.get('XLA_FLAGS', '').split()
+                     if not f.startswith('--xla_force_host_platform_device_count'))
+ENV = dict(os.environ, XLA_FLAGS=XLA_FLAGS, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
 
 
 def _train(workdir, *extra, timeout=300):
