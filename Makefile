@@ -3,6 +3,7 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# tests/conftest.py adds its fast-compile XLA flags to these (it used to only set them when unset).
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 .PHONY: demo test test-py312 test-reference bench install install-test clean
