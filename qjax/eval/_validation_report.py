@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
+
+from qjax.eval.report import pyplot, save_figure
 
 
 def _f(v, p=4):
@@ -193,9 +194,7 @@ def compare_markdown(reports: Sequence[dict]) -> str:
 
 def plot(reports: Sequence[dict], path: str) -> str:
   """Greedy agreement per position, perplexity by position bucket and task accuracy."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
 
   fig, axes = plt.subplots(1, 3, figsize=(14, 4))
   for r in reports:
@@ -233,7 +232,5 @@ def plot(reports: Sequence[dict], path: str) -> str:
     if ax.get_legend_handles_labels()[0]:  # a panel with nothing measured has no legend
       ax.legend(fontsize=7)
   fig.tight_layout()
-  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  save_figure(fig, path, dpi=100)
   return path

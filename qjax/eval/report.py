@@ -15,6 +15,22 @@ COLUMNS = (('name', 'point'), ('method', 'method'), ('weight_format', 'format'),
            ('seconds', 'time s'), ('status', 'status'))
 
 
+def pyplot():
+  """matplotlib.pyplot on the Agg backend (files only, no display), imported on first use."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def save_figure(fig, path: str, dpi: int = 110) -> str:
+  """Write `fig` to `path` (making its folder) and close it; returns `path`."""
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  fig.savefig(path, dpi=dpi)
+  pyplot().close(fig)
+  return path
+
+
 def _fmt(v):
   if isinstance(v, float):
     return f'{v:.4g}'
@@ -50,9 +66,7 @@ def plot_ppl_vs_bytes(rows: Sequence[dict], path: str, title: str = '',
   Returns:
     The path written.
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
 
   ok = [r for r in rows if r.get('status', 'ok') == 'ok' and 'ppl' in r]
   fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -78,7 +92,5 @@ def plot_ppl_vs_bytes(rows: Sequence[dict], path: str, title: str = '',
   ax.set_title(title)
   ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
-  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  save_figure(fig, path)
   return path

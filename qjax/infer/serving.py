@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
+from qjax.eval.report import pyplot, save_figure
 from qjax.infer import paged
 from qjax.infer.engine import Engine, EngineConfig
 from qjax.infer.sampling import SamplingParams
@@ -177,9 +178,7 @@ def pooled_throughput(rows: Sequence[dict]) -> float:
 
 def plot(rows: Sequence[dict], path: str, title: str = '') -> str:
   """Throughput, TTFT and ITL percentiles, and cache MiB per row as one PNG; returns path."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
 
   names = [r['variant'] for r in rows]
   x = np.arange(len(rows))
@@ -201,6 +200,5 @@ def plot(rows: Sequence[dict], path: str, title: str = '') -> str:
   if title:
     fig.suptitle(title)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  save_figure(fig, path)
   return path

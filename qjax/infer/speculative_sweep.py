@@ -46,6 +46,7 @@ from flax import nnx
 
 from qjax import eval as qeval
 from qjax.core import int_format
+from qjax.eval.report import pyplot, save_figure
 from qjax.infer import draft as qdraft
 from qjax.infer import speculative_core
 from qjax.infer.sampling import SamplingBatch, SamplingParams, processed_logits, sample_generate
@@ -344,9 +345,7 @@ def draft_bits(name: str) -> Optional[int]:
 def plot_sweep(rows: list[dict], path: str) -> None:
   """Two panels: alpha vs draft weight bits (self-drafts, one line per temperature, gamma
   pooled by the mean) and measured speedup vs gamma (one line per draft, temperature 0)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
   ok = [r for r in rows if r.get('status') == 'ok']
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   for t in sorted({r['temperature'] for r in ok}):
@@ -374,8 +373,7 @@ def plot_sweep(rows: list[dict], path: str) -> None:
   if ax2.lines:
     ax2.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  save_figure(fig, path, dpi=100)
 
 
 COLUMNS = [('name', 'point'), ('status', 'status'), ('alpha', 'alpha'),

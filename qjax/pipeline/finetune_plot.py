@@ -3,8 +3,9 @@ merged + re-quantized) next to what training cost (peak RSS against trainable pa
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
+
+from qjax.eval.report import pyplot, save_figure
 
 # (row key, bar label): the perplexities a row can carry, drawn side by side per point.
 PPL_BARS = (('base_ppl', 'quantized base'), ('ppl', 'point (adapted / trained / as is)'),
@@ -35,9 +36,7 @@ def plot_finetune(rows: Sequence[dict], path: str, title: str = '') -> dict:
   Returns:
     `plotted_values(rows)`: the numbers drawn.
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
 
   values = plotted_values(rows)
   fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 0.45 * max(len(values['ppl']), 4) + 1.5),
@@ -64,7 +63,5 @@ def plot_finetune(rows: Sequence[dict], path: str, title: str = '') -> dict:
   bx.set_title('training cost', fontsize=9)
   fig.suptitle(title)
   fig.tight_layout()
-  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  save_figure(fig, path)
   return values
