@@ -68,7 +68,7 @@ def test_ste_gradient_in_a_model_is_identity_inside_zero_outside(model, tokens):
   _layer(ref, UP).quant = EinsumQuant()  # float again: no fake format, no learned scale
 
   def grad_up(m):
-    g = nnx.grad(lambda m: jnp.sum(m(tokens) ** 2) * 1e-3)(m)
+    g = nnx.jit(nnx.grad(lambda m: jnp.sum(m(tokens) ** 2) * 1e-3))(m)  # eager: 2.7x slower
     return np.asarray(g['layers'][0]['mlp']['up_proj']['w'][...])
 
   g, g_ref = grad_up(qat), grad_up(ref)
