@@ -100,6 +100,14 @@ def repo_root():
   return pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope='session')
+def subprocess_xla_flags():
+  """XLA_FLAGS for a subprocess that chooses its own device count: this suite's flags (the
+  fast compiles) without the 8 simulated devices."""
+  return ' '.join(f for f in os.environ['XLA_FLAGS'].split()
+                  if not f.startswith('--xla_force_host_platform_device_count'))
+
+
 @pytest.fixture
 def run_notebook(repo_root, monkeypatch):
   """Execute colab/<name> with nbclient under `env`; returns (printed text, all outputs)."""

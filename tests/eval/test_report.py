@@ -2,6 +2,8 @@
 every plot in qjax writes through (a folder that does not exist yet is made; the figure is
 closed, so a long sweep does not accumulate open figures)."""
 
+import pathlib
+
 from qjax.eval import report
 from qjax.infer import serving
 
@@ -40,7 +42,7 @@ def test_save_figure_writes_at_the_asked_resolution(tmp_path):
   small = report.save_figure(fig, str(tmp_path / 'a' / 'small.png'), dpi=50)
   fig, _ = plt.subplots(figsize=(2, 1))
   big = report.save_figure(fig, str(tmp_path / 'b' / 'big.png'), dpi=100)
-  width = lambda p: int.from_bytes(open(p, 'rb').read()[16:20], 'big')  # PNG IHDR width
+  width = lambda p: int.from_bytes(pathlib.Path(p).read_bytes()[16:20], 'big')  # IHDR width
   assert (width(small), width(big)) == (100, 200)
 
 

@@ -6,19 +6,22 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, tiny_flags
 
-# One device (no simulated mesh); the suite's other XLA flags (fast compiles) kept.
-XLA_FLAGS = ' '.join(f for f in os.environ.get('XLA_FLAGS', '').split()
-                     if not f.startswith('--xla_force_host_platform_device_count'))
-ENV = dict(os.environ, XLA_FLAGS=XLA_FLAGS, JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1')
+
+@pytest.fixture
+def env(subprocess_xla_flags):
+  """One device (no simulated mesh); the suite's other XLA flags (fast compiles) kept."""
+  return dict(os.environ, XLA_FLAGS=subprocess_xla_flags, JAX_PLATFORMS='cpu',
+              PYTHONUNBUFFERED='1')
 
 
-def _train(workdir, *extra, timeout=300):
+def _train(env, workdir, *extra, timeout=300):
   cmd = [sys.executable, '-m', 'experiments.train',
          '--config=' + os.path.join(ROOT, 'configs', 'tiny_lm.py')] + tiny_flags(workdir) + list(
              extra)
-  return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True,
+  return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=timeout)
 
 
@@ -27,17 +30,17 @@ def _final(workdir):
     return json.load(f)
 
 
-def test_kill_and_restart_gives_the_same_final_loss(tmp_path):
+def test_kill_and_restart_gives_the_same_final_loss(env, tmp_path):
   steps = ['--config.train.steps=24', '--config.checkpoint.every=6']
   # Uninterrupted reference run.
-  ref = _train(tmp_path / 'ref', *steps)
+  ref = _train(env, tmp_path / 'ref', *steps)
   assert ref.returncode == 0, ref.stderr[-2000:]
   # A run killed (SIGKILL) after its first checkpoints, then restarted with the same command.
   wd = tmp_path / 'killed'
   cmd = [sys.executable, '-m', 'experiments.train',
          '--config=' + os.path.join(ROOT, 'configs', 'tiny_lm.py')] + tiny_flags(wd) + steps + [
              '--config.train.log_every=1']
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True)
   killed_at = None
   for line in proc.stdout:
@@ -47,7 +50,7 @@ def test_kill_and_restart_gives_the_same_final_loss(tmp_path):
       break
   proc.wait(timeout=60)
   assert killed_at is not None and not (wd / 'final.json').exists()
-  again = _train(wd, *steps)
+  again = _train(env, wd, *steps)
   assert again.returncode == 0, again.stderr[-2000:]
   # Orbax saves asynchronously: the latest *finalized* checkpoint (6 or 12) is resumed.
   resumed = [l for l in again.stdout.splitlines() if l.startswith('resumed from checkpoint')]
@@ -57,8 +60,8 @@ def test_kill_and_restart_gives_the_same_final_loss(tmp_path):
   assert a['valid_ppl'] == b['valid_ppl']
 
 
-def test_unknown_config_key_and_bad_type_fail_loudly(tmp_path):
-  r = _train(tmp_path, '--config.train.stepz=3')
+def test_unknown_config_key_and_bad_type_fail_loudly(env, tmp_path):
+  r = _train(env, tmp_path, '--config.train.stepz=3')
   assert r.returncode != 0 and 'stepz' in r.stderr
-  r = _train(tmp_path, '--config.train.steps=many')
+  r = _train(env, tmp_path, '--config.train.steps=many')
   assert r.returncode != 0 and 'many' in r.stderr

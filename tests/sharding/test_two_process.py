@@ -23,11 +23,8 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def test_two_processes_agree_with_one(eight_devices, tmp_path):
-  # 4 devices each (the worker sets them); the suite's other XLA flags (fast compiles) kept.
-  env = dict(os.environ, XLA_FLAGS=' '.join(
-      f for f in os.environ.get('XLA_FLAGS', '').split()
-      if not f.startswith('--xla_force_host_platform_device_count')))
+def test_two_processes_agree_with_one(eight_devices, subprocess_xla_flags, tmp_path):
+  env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags)  # 4 devices each: the worker's own
   env['QJAX_WORKER_DEADLINE_S'] = str(TIMEOUT_S - 10)
   port = str(_free_port())
   procs = [subprocess.Popen([sys.executable, str(WORKER), str(pid), port, str(tmp_path)],
