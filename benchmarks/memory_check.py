@@ -50,7 +50,7 @@ _CONTEXT = flags.DEFINE_integer('context', 4096, 'cache length of the byte check
 _PROMPT = flags.DEFINE_integer('prompt', 512, 'prefill tokens of the prefill check (tiny: 16)')
 _BUDGET = flags.DEFINE_float('budget_gib', 1.5, 'context-limit budget (tiny: 0.0006); 0 skips')
 _CTX_BATCH = flags.DEFINE_list('context_batches', ['1', '8'], 'batches of the context limit')
-_MIXED = flags.DEFINE_string('mixed_from', 'docs/readme/validation/mixed-at-int4-g128.json',
+_MIXED = flags.DEFINE_string('mixed_from', 'docs/validation/mixed-at-int4-g128.json',
                              'a validation report with mixed_precision.assignment ("" skips)')
 _OUT = flags.DEFINE_string('out', 'results/memory_check/memory_check.json', 'JSON written')
 

@@ -36,7 +36,7 @@ Expected result (200 steps from GPTQ, idle, 2026-12-03: --config.quant.method=gp
 Earlier (measured under load, 4 windows of WikiText-2 valid): float 29.45, RTN int4
   g128 67.72, QAT + distillation (20 steps) 54.70 (recovered 0.34 of the gap; 0.27 against
   the fine-tuned float model, 20.37), peak RSS 8.2 GB (VmHWM; /usr/bin/time max RSS 7.1 GB);
-  GPTQ's start 40.78 (an earlier run). See docs/readme/training.md.
+  GPTQ's start 40.78 (an earlier run). See docs/training.md.
 """
 
 import ml_collections

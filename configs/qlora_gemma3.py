@@ -31,7 +31,7 @@ Expected run time (measured under load, shared 2-core machine): load ~15 s, each
   ~1-1.5 min, RTN base ~1 min; a QLoRA point 12-18 min (first step 2.5-4 min of XLA compile,
   then 10-18 s a step at batch 2 x 128 tokens); the bf16 full fine-tune ~11 min (15 s a
   step); the GPTQ export ~10 min.
-Expected result (measured under load; docs/readme/training.md): held-out ppl float 30.67,
+Expected result (measured under load; docs/training.md): held-out ppl float 30.67,
   int4 g128 RTN base 63.19, QLoRA r4 32.80 / r16 32.76 (0.35% / 1.4% of the parameters
   trained, peak RSS 4.6 GiB), merged + re-quantized by RTN 61.05 / 61.40 (RTN rounds the
   update away), by GPTQ (export point) 34.95; bf16 full fine-tune 33.36 at 7.2 GiB peak RSS.

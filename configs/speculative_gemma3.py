@@ -35,7 +35,7 @@ Expected metric: greedy agreement 1.0 on every greedy point (speculative greedy 
   every greedy point token-identical to plain greedy.
   Under load (benchmarks/speculative_bench --mode=drafts, gamma 4): an 8192-token head cuts
   the int4 draft's step from 0.71-0.79 to 0.08-0.09 target steps at alpha 0.46-0.52; the
-  measured speedups stayed 0.22-0.50x (docs/readme/speculative.md).
+  measured speedups stayed 0.22-0.50x (docs/speculative.md).
 """
 
 import ml_collections

