@@ -1,4 +1,15 @@
-"""Test setup: 8 simulated CPU devices (set before jax is imported), float32 everywhere."""
+"""Test setup, the same on every backend (CPU, GPU, TPU).
+
+* 8 simulated CPU devices (set before jax is imported) for the mesh tests; they run on CPU
+  devices even where a GPU or TPU is the default backend (`eight_devices`).
+* f32 matmuls at 'highest' precision: XLA runs f32 dots in TF32 on recent NVIDIA GPUs and in
+  bf16 passes on TPUs by default, so a test comparing f32 results to CPU tolerances would
+  fail there for reasons that are not qjax's numerics. On CPU the setting changes nothing.
+* `@pytest.mark.backend('cpu', reason=...)`: a test of one backend's property (XLA:CPU's
+  fusion decisions, the CPU kernel) runs there and is skipped elsewhere, with the reason.
+* On an accelerator, no process preallocates the device memory (`make test-gpu` runs
+  several pytest workers on one GPU).
+"""
 
 import os
 
@@ -17,6 +28,11 @@ _JAXLIB = tuple(int(p) for p in _metadata.version('jaxlib').split('.')[:2])
 # unknown flag aborts the process) and gains nothing from it (22.2 s vs 22.8 s), so it gets
 # level 0 only. JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite at the defaults.
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# The mesh tests need the CPU backend beside an accelerator: JAX_PLATFORMS=cuda alone would
+# not initialise it. The first platform listed stays the default backend.
+if 'cpu' not in os.environ['JAX_PLATFORMS'].split(','):
+  os.environ['JAX_PLATFORMS'] += ',cpu'
+os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
 os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
 _FAST_COMPILE = os.environ['JAX_DISABLE_MOST_OPTIMIZATIONS'].lower() in ('1', 'true')
 _FAST_COMPILE_FLAGS = (' --xla_cpu_use_fusion_emitters=false'
@@ -65,6 +81,10 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# One setting for the whole suite (see the module docstring); a test that measures the default
+# precision's own behaviour sets another inside `jax.default_matmul_precision(...)`.
+jax.config.update('jax_default_matmul_precision', 'highest')
+
 from qjax.eval import process as qprocess  # noqa: E402
 
 from hypothesis import settings  # noqa: E402
@@ -73,11 +93,40 @@ settings.register_profile('qjax', max_examples=40, deadline=None)
 settings.load_profile('qjax')
 
 
-@pytest.fixture(scope='session')
+BACKENDS = ('cpu', 'gpu', 'tpu')
+
+
+def pytest_configure(config):
+  config.addinivalue_line('markers', "backend(name, ..., reason=''): a test of a property of "
+                          "these backends only ('cpu', 'gpu', 'tpu'); skipped on the others.")
+
+
+def backend_skip_reason(names, reason: str, backend: str):
+  """Why a test marked `backend(*names, reason=...)` does not run on `backend` (None: it runs)."""
+  unknown = [n for n in names if n not in BACKENDS]
+  if not names or unknown:
+    raise ValueError(f'@pytest.mark.backend{tuple(names)}: name one or more of {BACKENDS}.')
+  if backend in names:
+    return None
+  return (f"{' / '.join(names)} only ({reason or 'a backend-specific property'}); the default "
+          f'backend is {backend}')
+
+
+def pytest_runtest_setup(item):
+  for mark in item.iter_markers('backend'):
+    why = backend_skip_reason(mark.args, mark.kwargs.get('reason', ''), jax.default_backend())
+    if why:
+      pytest.skip(why)
+
+
+@pytest.fixture
 def eight_devices():
-  devs = jax.devices()
-  assert len(devs) == 8, f'expected 8 simulated devices (XLA_FLAGS), got {len(devs)}'
-  return devs
+  """The 8 simulated CPU devices, whatever the default backend; the CPU is the default device
+  for the test, so models, caches and `qjax.sharding.make_mesh()` land on them."""
+  devs = jax.devices('cpu')
+  assert len(devs) == 8, f'expected 8 simulated CPU devices (XLA_FLAGS), got {len(devs)}'
+  with jax.default_device(devs[0]):
+    yield devs
 
 
 @pytest.fixture

@@ -19,7 +19,8 @@ Layout names and the analytic costs are those of `qjax.costmodel`.
 
 from qjax.sharding._hlo import Collective, collectives, count_collectives
 from qjax.sharding._hooks import LayoutHooks, use_layout
-from qjax.sharding._inference import PHASES, ShardedTransformer, make_mesh
+from qjax.sharding._inference import (PHASES, ShardedTransformer, default_platform_devices,
+                                      make_mesh)
 from qjax.sharding._rules import (FFN_TABLES, MESH_AXES, Rules, all_layouts, layout_rules,
                                   same_stored_weights, to_spec)
 from qjax.sharding._specs import (bytes_per_device, cache_shardings, leaf_mesh_axes,
@@ -28,6 +29,7 @@ from qjax.sharding._specs import (bytes_per_device, cache_shardings, leaf_mesh_a
 __all__ = [
     'Collective', 'FFN_TABLES', 'LayoutHooks', 'MESH_AXES', 'PHASES', 'Rules',
     'ShardedTransformer', 'all_layouts', 'bytes_per_device', 'cache_shardings', 'collectives',
-    'count_collectives', 'layout_rules', 'leaf_mesh_axes', 'make_mesh', 'qarray_logical',
+    'count_collectives', 'default_platform_devices', 'layout_rules', 'leaf_mesh_axes',
+    'make_mesh', 'qarray_logical',
     'same_stored_weights', 'shard_bytes', 'state_shardings', 'to_spec', 'use_layout',
 ]

@@ -31,15 +31,25 @@ from qjax.sharding._rules import MESH_AXES, layout_rules, same_stored_weights
 PHASES = ('prefill', 'decode')
 
 
+def default_platform_devices() -> list:
+  """Every device of the platform `jax.default_device` names, else of the default backend."""
+  default = jax.config.jax_default_device
+  if default is None:
+    return jax.devices()
+  return jax.devices(default if isinstance(default, str) else default.platform)
+
+
 def make_mesh(shape='2x2x2', devices=None) -> jax.sharding.Mesh:
   """An ('x', 'y', 'z') mesh with Auto axis types (GSPMD propagation between shard_maps).
 
   Args:
     shape: '2x2x2', (1, 2, 4) or a costmodel Mesh; missing axes are 1.
-    devices: the devices to use (default: all of `jax.devices()`).
+    devices: the devices to use (default: every device of the default device's platform:
+      `jax.default_device(...)` when one is set, e.g. the host CPU's simulated devices on a
+      GPU machine; else `jax.devices()`).
   """
   m = costmodel.as_mesh(shape)
-  devices = list(jax.devices() if devices is None else devices)
+  devices = list(default_platform_devices() if devices is None else devices)
   if len(devices) != m.n:
     raise ValueError(f'make_mesh: mesh {m} needs {m.n} devices, {len(devices)} are given. On '
                      'CPU simulate more with XLA_FLAGS=--xla_force_host_platform_device_count='

@@ -50,7 +50,8 @@ def test_jit_equals_eager(name):
 
 @pytest.mark.parametrize('name', sorted(CASES))
 def test_eight_devices_with_sharded_weight(name, eight_devices):
-  mesh = jax.make_mesh((8,), ('model',), axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = jax.make_mesh((8,), ('model',), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=eight_devices)
   w = jax.device_put(W, NamedSharding(mesh, P(None, 'model')))
   x = jax.device_put(X, NamedSharding(mesh, P()))
   out = jax.jit(CASES[name])(w, x)

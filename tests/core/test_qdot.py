@@ -165,6 +165,7 @@ def test_w8a8_accumulator_exact_across_tiles(m):
   np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.backend('cpu', reason="XLA:CPU's row-tiled and kernel paths")
 def test_default_cpu_paths_make_no_float_copy():
   w = jax.random.normal(K[1], (1024, 1024))
   f32_copy = 1024 * 1024 * 4
@@ -179,6 +180,7 @@ def test_default_cpu_paths_make_no_float_copy():
       assert temp < f32_copy / 2, (fmt.name, m, temp)
 
 
+@pytest.mark.backend('cpu', reason="the XLA:CPU row-tiled path's tile plan")
 def test_prefill_tiles_stay_below_a_float_copy_of_the_weight():
   # At prefill a tile takes M weight rows (its partial product is amortised over M rows of
   # activations), still never the whole weight: 512 of 2048 rows here.

@@ -9,12 +9,13 @@ import qjax
 from qjax import int_format, qdot, quantize
 
 
-def _mesh():
-  return jax.make_mesh((8,), ('model',), axis_types=(jax.sharding.AxisType.Auto,))
+def _mesh(devices):
+  return jax.make_mesh((8,), ('model',), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=devices)
 
 
 def test_quantize_and_qdot_with_weight_sharded_over_8_devices(eight_devices):
-  mesh = _mesh()
+  mesh = _mesh(eight_devices)
   w = jax.random.normal(jax.random.key(0), (256, 512))
   x = jax.random.normal(jax.random.key(1), (4, 256))
   fmt = int_format(4, group_size=64, channel_axes=(1,), symmetric=False)
@@ -37,7 +38,7 @@ def test_quantize_and_qdot_with_weight_sharded_over_8_devices(eight_devices):
 
 
 def test_sharded_fake_quant_gradient(eight_devices):
-  mesh = _mesh()
+  mesh = _mesh(eight_devices)
   w = jax.device_put(jax.random.normal(jax.random.key(0), (64, 128)),
                      NamedSharding(mesh, P(None, 'model')))
   fmt = int_format(8, channel_axes=(1,))
