@@ -76,6 +76,7 @@ def _peak_rss_mib() -> float:
 
 def _inputs(tok, cfg, a):
   """(prefill ids, 8 decode prompts, ppl windows): the corpora, or random ids without a tokenizer."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
   if tok is None:
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, a.prefill + 8 * a.prompt)
     return ids[:a.prefill], ids[a.prefill:].reshape(8, a.prompt), None
@@ -320,6 +321,11 @@ def _child(row: str, a) -> None:
   out = run(row, a)
   out.update(row=row, description=DESCRIPTIONS[row], peak_rss_mib=_peak_rss_mib(),
              seconds=time.perf_counter() - t)
+  if not row.startswith('hf'):  # on an accelerator the model lives in device memory
+    from qjax.eval import process  # pylint: disable=g-import-not-at-top
+    device = process.device_memory()
+    if device is not None:
+      out['peak_device_mib'] = device['peak'] / 2**20
   print('PEERS_JSON ' + json.dumps(out), flush=True)
 
 
@@ -355,7 +361,9 @@ def _table(results: list[dict]) -> str:
     lines.append(f"| {r['row']} | {r['prefill_tok_s']:.0f} | {r['prefill_serve_tok_s']:.0f} | "
                  f"{r['decode_b1_tok_s']:.1f} ({r['decode_b1_ms_per_step']:.1f}) | "
                  f"{r['decode_b8_tok_s']:.1f} | {r['peak_rss_serving_mib']:.0f} / "
-                 f"{r['peak_rss_mib']:.0f} | {r['weight_bytes'] / 1e6:.0f} | "
+                 f"{r['peak_rss_mib']:.0f}"
+                 + (f" (device {r['peak_device_mib']:.0f})" if 'peak_device_mib' in r else '')
+                 + f" | {r['weight_bytes'] / 1e6:.0f} | "
                  f"{r['ppl_wikitext2']:.2f} | {ratio} |")
   return '\n'.join(lines)
 

@@ -79,8 +79,10 @@ def markdown(report: dict) -> str:
     row('decode step temp (activations)', p['decode_activations'] if p else None,
         me['decode']['temp'])
     lines += ['', f"Float model weights: {_mb(m['float_weights']['total'])}; quantized / float "
-                  f"= {me['weights']['total'] / m['float_weights']['total']:.3f}. Peak RSS of "
-                  f"the process so far: {_mb(me['peak_rss'])}.", '']
+                  f"= {me['weights']['total'] / m['float_weights']['total']:.3f}. "
+                  + (f"Peak device memory of the process so far: {_mb(me['device']['peak'])} "
+                     f"(host RSS {_mb(me['peak_rss'])})." if me.get('device') else
+                     f"Peak RSS of the process so far: {_mb(me['peak_rss'])}."), '']
   if 'latency' in r:
     lt = r['latency']
     lines += ['## Latency', '', f"{lt['note']}.", '',
@@ -109,7 +111,8 @@ def markdown(report: dict) -> str:
                _mb(c['predicted_bytes']) if 'predicted_bytes' in c else '',
                _mb(c['compiled_bytes']) if 'compiled_bytes' in c else '',
                f"{c['prediction_error']:+.2%}" if 'prediction_error' in c else '',
-               _mb(c['run_peak_rss_above_start']) if 'run_peak_rss_above_start' in c else '',
+               _mb(c['run_peak_rss_above_start']) if 'run_peak_rss_above_start' in c else
+               (f"device peak {_mb(c['run_device_peak'])}" if 'run_device_peak' in c else ''),
                c.get('confirmed')]
       lines.append('| ' + ' | '.join(str(x) for x in cells) + ' |')
     lines.append('')

@@ -409,7 +409,8 @@ def measure(model: nnx.Module, *, batch: int, context: int, prompt: Optional[int
   Returns:
     {'weights': {'quantized', 'float', 'total'} (device buffers of the state),
      'kv' (an empty cache's buffers), 'prefill' / 'decode' (compiled memory analyses, when
-     `compiled`), 'peak_rss'}.
+     `compiled`), 'peak_rss', and on an accelerator 'device' (`process.device_memory()`:
+     in_use, peak, limit)}.
   """
   cfg = model.config
   _check_workload(cfg, batch, context)
@@ -424,4 +425,7 @@ def measure(model: nnx.Module, *, batch: int, context: int, prompt: Optional[int
     out['prefill'] = compiled_memory(model, batch, prompt or context, context)
     out['decode'] = compiled_memory(model, batch, 1, context)
   out['peak_rss'] = process.peak_rss_bytes()
+  device = process.device_memory()
+  if device is not None:
+    out['device'] = device
   return out

@@ -1,5 +1,9 @@
-"""This process's memory: resident set size (now, peak, peak since a reset) and the
-memory-map table that live XLA:CPU executables fill (`release_executables`).
+"""This process's memory: resident set size (now, peak, peak since a reset), the accelerator's
+own memory where the backend keeps statistics (`device_memory`), and the memory-map table
+that live XLA:CPU executables fill (`release_executables`).
+
+On a GPU or TPU the host RSS says nothing about what the model costs: weights, caches and
+activations live in device memory. Reports read `device_memory()` there (None on CPU).
 
 Kept apart from `qjax.eval.memory` (the planner, which needs the model) so that light modules
 (the sweep runner, the test session) can guard a long process without importing the model.
@@ -52,6 +56,28 @@ def reset_peak_rss() -> bool:
     return True
   except OSError:
     return False
+
+
+def device_memory(device=None) -> Optional[dict]:
+  """The accelerator's memory statistics, bytes: {'in_use', 'peak', 'limit'}.
+
+  Args:
+    device: a jax device (default: the first device of the default backend).
+
+  Returns:
+    None where the backend keeps none (XLA:CPU). 'peak' is the most in use since the process
+    started: jax offers no reset, so a report of several phases gives the running peak.
+  """
+  device = jax.devices()[0] if device is None else device
+  try:
+    stats = device.memory_stats()
+  except Exception:  # pylint: disable=broad-except  (backends without the call raise)
+    return None
+  if not stats or 'bytes_in_use' not in stats:
+    return None
+  return {'in_use': int(stats['bytes_in_use']),
+          'peak': int(stats.get('peak_bytes_in_use', stats['bytes_in_use'])),
+          'limit': int(stats['bytes_limit']) if 'bytes_limit' in stats else None}
 
 
 def _map_limit() -> Optional[int]:

@@ -51,6 +51,7 @@ COLUMNS = (('name', 'point'), ('kind', 'kind'), ('base_format', 'base'), ('rank'
            ('trainable_params', 'trainable params'), ('train_steps', 'steps'),
            ('step_seconds', 'step s'), ('train_peak_rss_mib', 'peak RSS MiB'),
            ('steady_peak_rss_mib', 'peak RSS after step 1, MiB'),
+           ('train_peak_device_mib', 'peak device MiB'),
            ('train_loss_first', 'loss first'), ('train_loss_last', 'loss last'))
 
 
@@ -62,6 +63,12 @@ reset_peak_rss = qprocess.reset_peak_rss
 def peak_rss_mib() -> float:
   """The process's peak resident set since start or the last `reset_peak_rss`, MiB."""
   return qprocess.peak_rss_bytes(since_reset=True) / 2**20
+
+
+def device_peak_mib(key: str) -> dict:
+  """{key: the accelerator's peak memory so far, MiB}; {} on CPU (no device statistics)."""
+  device = qprocess.device_memory()
+  return {} if device is None else {key: device['peak'] / 2**20}
 
 
 def rss_mib() -> float:
@@ -157,7 +164,9 @@ def run_steps(step_fn: Callable[[jax.Array], jax.Array], ctx: FinetuneContext, t
   Returns:
     train_steps, step_seconds (median after the first, compiling, step), first_step_seconds,
     train_loss_first / last, rss_before_train_mib, first_step_peak_rss_mib (the compiling
-    step), steady_peak_rss_mib (the later steps), train_peak_rss_mib (the larger).
+    step), steady_peak_rss_mib (the later steps), train_peak_rss_mib (the larger); on an
+    accelerator also train_peak_device_mib (the device's peak memory: the host RSS does not
+    hold the model there).
   """
   before = rss_mib()
   reset_peak_rss()
@@ -182,7 +191,7 @@ def run_steps(step_fn: Callable[[jax.Array], jax.Array], ctx: FinetuneContext, t
           'first_step_peak_rss_mib': first_peak,
           'steady_peak_rss_mib': peak_rss_mib() if tc.steps > 1 else None,
           'train_peak_rss_mib': max(v for v in (first_peak, peak_rss_mib()) if v is not None)
-          if first_peak is not None else None}
+          if first_peak is not None else None, **device_peak_mib('train_peak_device_mib')}
 
 
 def _tx(tc):

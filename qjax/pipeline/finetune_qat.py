@@ -45,6 +45,7 @@ COLUMNS = (('name', 'point'), ('kind', 'kind'), ('weight_format', 'weights'),
            ('trainable_params', 'trainable params'), ('step_seconds', 'step s'),
            ('train_peak_rss_mib', 'peak RSS MiB'),
            ('steady_peak_rss_mib', 'peak RSS after step 1, MiB'),
+           ('train_peak_device_mib', 'peak device MiB'),
            ('train_loss_first', 'loss first'), ('train_loss_last', 'loss last'))
 
 

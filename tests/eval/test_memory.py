@@ -1,5 +1,6 @@
 """qjax.eval.memory: the planner's predictions against the device bytes of built models."""
 
+import jax
 import pytest
 from flax import nnx
 
@@ -111,3 +112,13 @@ def test_kv_prediction_follows_the_sliding_window_ring():
   assert memory.kv_bytes(cfg, 1, 200, ring=False) - memory.kv_bytes(cfg, 1, 200) == (
       2 * 2 * (200 - 80) * cfg.num_kv_heads * cfg.head_dim * 4)
 
+
+
+def test_device_memory_is_none_on_cpu_and_a_dict_on_an_accelerator():
+  from qjax.eval import process  # pylint: disable=g-import-not-at-top
+  stats = process.device_memory()
+  if jax.default_backend() == 'cpu':
+    assert stats is None
+  else:  # GPU / TPU keep statistics: bytes in use, the running peak, the limit
+    assert stats['in_use'] > 0 and stats['peak'] >= stats['in_use'], stats
+  assert process.device_memory(jax.devices('cpu')[0]) is None
