@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # tests/conftest.py adds its fast-compile XLA flags to these (it used to only set them when unset).
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: demo test test-py312 test-reference bench install install-test clean
+.PHONY: demo test test-gpu test-py312 test-reference bench device-check install install-test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,19 @@ demo: install
 # restart, pytest-xdist 3.8 loadscope can wait forever for the dead worker (pytest-xdist#1323).
 test: install-test
 	$(BIN)/python -m pytest tests -q -n 2 --dist loadscope --max-worker-restart=0 --durations=15
+
+# The suite on one NVIDIA GPU (JAX_PLATFORMS=tpu on a Cloud TPU VM): the accelerator is the
+# default backend, f32 matmuls run at 'highest' precision, the mesh tests run on the host's
+# simulated CPU devices and no worker preallocates the device's memory (tests/conftest.py).
+GPU_WORKERS ?= 8
+test-gpu: $(BIN)/python
+	$(BIN)/pip install -q -e '.[test,cuda]'
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cuda} $(BIN)/python -m pytest tests -q -n $(GPU_WORKERS) \
+	  --dist loadscope --max-worker-restart=0 --durations=15
+
+# What qjax costs on this machine's accelerator: results/device_check/device_check.{json,md,png}.
+device-check: install
+	$(BIN)/python -m benchmarks.device_check
 
 # The second supported Python (what accelerator machines run: 3.12, jax 0.11/0.12), in its own
 # venv. The CPU kernel is not built there: the library in qjax/kernels/build/ belongs to the
