@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # tests/conftest.py adds its fast-compile XLA flags to these (it used to only set them when unset).
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: demo test test-py312 test-reference bench install install-test clean
+.PHONY: demo test test-py312 test-reference bench install install-test lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -56,6 +56,25 @@ test-reference: install-test
 	$(BIN)/pip install -q -e '.[reference]'
 	XLA_FLAGS= $(BIN)/python scripts/make_reference.py
 	$(BIN)/python -m pytest tests/checkpoints -q -n 2 --dist loadscope
+
+# Lint (ruff, configured in pyproject.toml) the Python files and notebooks changed against
+# LINT_BASE (main, else origin/main): the files a change touches, so that lint never asks for a
+# reformat of code nobody edited. LINT_FILES=. lints the whole tree.
+RUFF_VERSION := 0.17.6
+LINT_BASE ?= main
+LINT_FILES ?=
+lint: $(BIN)/python
+	@$(BIN)/ruff --version 2>/dev/null | grep -qx 'ruff $(RUFF_VERSION)' || $(BIN)/pip install -q 'ruff==$(RUFF_VERSION)'
+	@files='$(LINT_FILES)'; \
+	if [ -z "$$files" ]; then \
+	  base=$$(git rev-parse -q --verify '$(LINT_BASE)' || git rev-parse -q --verify 'origin/$(LINT_BASE)') \
+	    || { echo "lint: no ref '$(LINT_BASE)' or 'origin/$(LINT_BASE)'; pass LINT_BASE=<ref> or LINT_FILES=."; exit 2; }; \
+	  files=$$( { git diff --name-only --diff-filter=d $$(git merge-base $$base HEAD) -- '*.py' '*.ipynb'; \
+	              git ls-files --others --exclude-standard -- '*.py' '*.ipynb'; } | sort -u); \
+	fi; \
+	if [ -z "$$files" ]; then echo "lint: no Python files changed against $(LINT_BASE)"; exit 0; fi; \
+	echo "ruff check on $$(echo $$files | wc -w) path(s)"; \
+	$(BIN)/ruff check $$files
 
 bench: install
 	XLA_FLAGS= $(BIN)/python -m benchmarks.qdot_bench
