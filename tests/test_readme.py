@@ -3,6 +3,7 @@ and its `make demo` transcript has the shape of what the demo prints."""
 
 import ast
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -199,3 +200,19 @@ def test_shape_ignores_numbers_not_words():
   assert _shape('step    50/300  loss 2.4040  9,874 tok/s  ETA 52s') == _shape(
       'step   100/100  loss 1.9  13,707 tok/s  ETA 0s')
   assert _shape('step 50/300 loss 2.4') != _shape('step 50/300 ppl 2.4')
+
+
+def test_every_notebook_has_a_colab_badge_and_install_cell():
+  text = README.read_text(encoding='utf-8')
+  links = re.findall(r'\(https://colab\.research\.google\.com/github/([\w.-]+/[\w.-]+)'
+                     r'/blob/main/colab/([\w.-]+\.ipynb)\)', text)
+  badges = {notebook: repo for repo, notebook in links}
+  notebooks = sorted(p.name for p in (ROOT / 'colab').glob('*.ipynb'))
+  assert sorted(badges) == notebooks, f'badges for {sorted(badges)}, notebooks {notebooks}'
+  for name in notebooks:
+    cells = json.loads((ROOT / 'colab' / name).read_text(encoding='utf-8'))['cells']
+    first = ''.join(next(c for c in cells if c['cell_type'] == 'code')['source'])
+    assert "'google.colab' in sys.modules" in first and 'pip' in first, (
+        f'{name}: the first code cell must install qjax on a Colab runtime')
+    # The clone URL is the repository the README's badge opens.
+    assert f'https://github.com/{badges[name]}' in first, (name, badges[name])
