@@ -20,8 +20,10 @@ install-test: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	-$(BIN)/python -m qjax.kernels.build
 
+# Quiet by default (INFO logging off); `make demo DEMO_FLAGS=--verbosity=0` brings it back.
+DEMO_FLAGS ?=
 demo: install
-	XLA_FLAGS= $(BIN)/python -m experiments.demo --config=configs/demo.py
+	XLA_FLAGS= $(BIN)/python -m experiments.demo --config=configs/demo.py $(DEMO_FLAGS)
 
 # --dist loadscope: one worker runs a whole module, so the Gemma model loads once.
 # --max-worker-restart=0: a worker that dies (a native crash) fails the run at once; with a
