@@ -28,7 +28,8 @@ def _readme_blocks(lang: str) -> list[str]:
 
 
 def _env(xla_flags: str) -> dict:
-  return {**os.environ, 'XLA_FLAGS': xla_flags, 'JAX_PLATFORMS': 'cpu'}
+  # The backend is the suite's (JAX_PLATFORMS from conftest: cpu unless a run asks for another).
+  return {**os.environ, 'XLA_FLAGS': xla_flags}
 
 
 def test_readme_fits_on_a_few_screens():
