@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # tests/conftest.py adds its fast-compile XLA flags to these (it used to only set them when unset).
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: demo test test-py312 test-reference bench install install-test lint clean
+.PHONY: demo test test-py312 test-reference bench install install-test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -65,6 +65,7 @@ test-reference: install-test
 RUFF_VERSION := 0.17.6
 LINT_BASE ?= main
 LINT_FILES ?=
+.PHONY: lint
 lint: $(BIN)/python
 	@$(BIN)/ruff --version 2>/dev/null | grep -qx 'ruff $(RUFF_VERSION)' || $(BIN)/pip install -q 'ruff==$(RUFF_VERSION)'
 	@files='$(LINT_FILES)'; \
