@@ -20,8 +20,10 @@ install-test: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	-$(BIN)/python -m qjax.kernels.build
 
+# Quiet by default (INFO logging off); `make demo DEMO_FLAGS=--verbosity=0` brings it back.
+DEMO_FLAGS ?=
 demo: install
-	XLA_FLAGS= $(BIN)/python -m experiments.demo --config=configs/demo.py
+	XLA_FLAGS= $(BIN)/python -m experiments.demo --config=configs/demo.py $(DEMO_FLAGS)
 
 # --dist loadscope: one worker runs a whole module, so the Gemma model loads once.
 # --max-worker-restart=0: a worker that dies (a native crash) fails the run at once; with a
@@ -69,6 +71,26 @@ test-reference: install-test
 	$(BIN)/pip install -q -e '.[reference]'
 	XLA_FLAGS= $(BIN)/python scripts/make_reference.py
 	$(BIN)/python -m pytest tests/checkpoints -q -n 2 --dist loadscope
+
+# Lint (ruff, configured in pyproject.toml) the Python files and notebooks changed against
+# LINT_BASE (main, else origin/main): the files a change touches, so that lint never asks for a
+# reformat of code nobody edited. LINT_FILES=. lints the whole tree.
+RUFF_VERSION := 0.17.6
+LINT_BASE ?= main
+LINT_FILES ?=
+.PHONY: lint
+lint: $(BIN)/python
+	@$(BIN)/ruff --version 2>/dev/null | grep -qx 'ruff $(RUFF_VERSION)' || $(BIN)/pip install -q 'ruff==$(RUFF_VERSION)'
+	@files='$(LINT_FILES)'; \
+	if [ -z "$$files" ]; then \
+	  base=$$(git rev-parse -q --verify '$(LINT_BASE)' || git rev-parse -q --verify 'origin/$(LINT_BASE)') \
+	    || { echo "lint: no ref '$(LINT_BASE)' or 'origin/$(LINT_BASE)'; pass LINT_BASE=<ref> or LINT_FILES=."; exit 2; }; \
+	  files=$$( { git diff --name-only --diff-filter=d $$(git merge-base $$base HEAD) -- '*.py' '*.ipynb'; \
+	              git ls-files --others --exclude-standard -- '*.py' '*.ipynb'; } | sort -u); \
+	fi; \
+	if [ -z "$$files" ]; then echo "lint: no Python files changed against $(LINT_BASE)"; exit 0; fi; \
+	echo "ruff check on $$(echo $$files | wc -w) path(s)"; \
+	$(BIN)/ruff check $$files
 
 bench: install
 	XLA_FLAGS= $(BIN)/python -m benchmarks.qdot_bench

@@ -5,6 +5,8 @@ r"""The demo (`make demo`): train on the embedded corpus, then a PTQ sweep, then
 Everything lands in config.out_dir (results/demo/): train/ (checkpoints, metrics.jsonl),
 points/<name>/ (quantized model + conversion_record.json), results.jsonl, table.md,
 ppl_vs_bytes.png. Rerunning resumes training and skips finished sweep points.
+`--stop_after=train` ends after the first stage (the README's transcript test runs it).
+Logging is quiet unless `--verbosity` is given (experiments/__init__.py).
 """
 
 import time
@@ -17,6 +19,8 @@ from qjax import eval as qeval
 from qjax import pipeline
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/demo.py', lock_config=True)
+_STOP_AFTER = flags.DEFINE_enum('stop_after', 'results', ['train', 'results'],
+                                'The last stage to run: train, or the whole demo.')
 
 
 def main(argv):
@@ -28,6 +32,8 @@ def main(argv):
   print(f'float model: validation perplexity {final["valid_ppl"]:.3f} vs unigram baseline '
         f'{final["unigram_ppl"]:.2f} ({final["params"]:,} parameters, '
         f'{final["data"]["train_tokens"]:,} training bytes of {final["data"]["source"]})')
+  if _STOP_AFTER.value == 'train':
+    return
   print('\n== 2. PTQ sweep (round-to-nearest)', flush=True)
   path = config_flags.get_config_filename(flags.FLAGS['config'])
   rows = pipeline.run_ptq_sweep(config, pipeline.load_sweep(path)())

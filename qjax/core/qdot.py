@@ -5,7 +5,7 @@ Compute paths (`path=`):
 * `'dequant'`: `einsum(x, dequantize(w))` in the activation dtype. Exact weight-only
   semantics. On GPU/TPU XLA fuses the int->float convert into the matmul's operand load, so
   no float weight is materialised there; on XLA:CPU it is (a full f32 copy of the weight per
-  call: 2-20x f32 time), so it is never the CPU default.
+  call), so it is never the CPU default.
 * `'tiled'` (CPU): weight-only semantics computed as a `fori_loop` over row tiles of the
   weight (its contracted axes, ~1M elements and at most 1/8 of the weight per tile, whole
   groups). Each tile's codes are unpacked as separate bit fields (`packing.unpack_fields`,
@@ -13,8 +13,8 @@ Compute paths (`path=`):
   codes and scaled once after the loop), and multiplied by the matching activation columns:
   bf16 x bf16 with f32 accumulation for M >= 2 rows (XLA:CPU's fused kernel) on CPUs with bf16
   dot instructions (AVX-512 BF16, AMX), f32 elsewhere and at M = 1 (`tiled_path.tile_dtype`:
-  without them XLA widens bf16 in software, 1.8-2.7x the f32 product's time at M = 512 on an
-  AVX2 Zen 3, against 1.0-1.4x for f32 tiles). The float tile lives in cache; temp memory is
+  without them XLA widens bf16 in software, which is slower than f32 tiles; the measurements
+  are in docs/fast_decode.md). The float tile lives in cache; temp memory is
   one tile, never a float copy of the weight. Error vs the exact dequantized product: with
   bf16 tiles, bf16 rounding of x and of the tile (~52 dB SQNR); with f32 tiles, summation
   order only.
@@ -28,8 +28,9 @@ Compute paths (`path=`):
   equals `dot_general(int8, int8, preferred_element_type=int32)` bit for bit. Grouped
   weights take one group per tile and apply that group's scales to its partial sum.
   Decode shapes (M <= 16 rows) on CPU run the same numerics on the optional kernel's VNNI
-  integer dots when it is built (`decode_paths.kernel_einsum(act='int8')`; W4A8 Gemma decode
-  ~2x the weight-only int4 speed). Elsewhere it is that `dot_general` on the whole operands.
+  integer dots when it is built (`decode_paths.kernel_einsum(act='int8')`; 4-8 codes per
+  instruction instead of widening each to f32). Elsewhere it is that `dot_general` on the
+  whole operands.
 * `'fp8'`: activations quantized per token to the weight's fp8 kind, fp8 x fp8 products with
   f32 accumulation (tiled on CPU: fp8 values are exact in bf16).
 
@@ -45,21 +46,15 @@ kernel when `qjax.kernels.available()` (same weight-only numerics, summation ord
 and the tied-head layout ('BTD,VD->BTV', weight (V, D)), which row tiles cannot express, as
 blocks of V rows (`decode_paths.vblocked_einsum`) instead of a dequantized 671 MB head.
 
-Why, on XLA:CPU (2-core AMD EPYC, 4096x4096 weight, time / f32 time, measured side by side
-by benchmarks/qdot_bench.py under a noisy load of 3-12):
+Why, on XLA:CPU (the measurements, by benchmarks/qdot_bench.py, are in docs/fast_decode.md):
 
 * XLA:CPU's fused dot kernel (YNNPACK) re-packs its weight operand every call, and does not
-  fuse an int->float convert into the dot, so "dequantize then dot" writes a full float copy
-  (int8 dequant 2-8x, int4 g128 2.5-9x f32). A plain int8 x int8 -> int32 dot reads the codes
-  directly but gains little (W8A8 0.8-0.95x at M = 8..64, ~1.5-2x at M = 1 padded to 2 rows),
-  and a grouped one needs the group as a batch dimension, which XLA:CPU runs slowly (int4
-  g128 via the batched int8 einsum: 8-17x). Interleaving unpacked 4-bit codes back into one
-  array costs ~2x an f32 matrix-vector product by itself.
-* Tiling keeps the dequantized tile in cache and gives each tile dot a small weight to pack.
-  Three benchmark runs at load 7-10 (M = 1 / 8 / 64): int8 weight-only 0.9-1.1x / 0.45-0.7x
-  / 0.35-0.8x; int4 g128 0.9-1.4x / 0.6-1.1x / 0.4-0.85x; W8A8 1.05-1.5x / 0.42-0.56x /
-  0.32-0.46x. Tiles of 128-512 rows measured alike; bf16 tiles at M = 1 (padded to 2 rows)
-  were slower than f32 tiles.
+  fuse an int->float convert into the dot, so "dequantize then dot" writes a full float copy.
+  A plain int8 x int8 -> int32 dot reads the codes directly but gains little, and a grouped
+  one needs the group as a batch dimension, which XLA:CPU runs slowly. Interleaving unpacked
+  4-bit codes back into one array costs more than the matrix-vector product it feeds.
+* Tiling keeps the dequantized tile in cache and gives each tile dot a small weight to pack,
+  so weight-only and W8A8 tiles run near or below f32 time without a float weight copy.
 * Specs the tiled forms cannot express (batch axes shared by x, w and out; weight axes not
   ordered contracted-then-kept, other than the head layout; groups not on the last contracted
   axis; a scale per weight element) fall back to the whole-operand implementations

@@ -20,12 +20,9 @@ and no decode pays for a chunk-wide attention row. Every token writes its K/V be
 attends, so a chunk's tokens see each other through the pages, under the causal mask. The
 buckets (N, W, C) (`_buckets`): decodes alone (max_batch, 1, 0); beside half a chunk, one,
 two, four, ... chunks; and every row a chunk (max_batch * chunk_size tokens: a static
-batch's prefill, a burst of arrivals). Measured on Gemma 3 270M (float32, CPU, 8 rows,
-chunks of 32, pages of 8; the README has the runs): 8 decodes 0.17 s; beside one chunk
-0.22 s, two 0.25 s, four 0.40 s; eight chunks 0.59 s. The layouts this replaced spent the
-difference in attention: one attention row per token over blocks of one page (8 keys: tiny
-matmuls) took 0.31, 0.39 and 0.70 s, and the padded (8, 32) step for several chunks 0.78 s
-(a chunk-wide query row for every sequence costs 5-9 ms per layer, whatever it holds).
+batch's prefill, a burst of arrivals). Packing is cheaper than the per-token and padded
+layouts it replaced because their cost was attention over tiny one-page blocks and over
+chunk-wide rows for decodes (the step costs are in docs/engine.md).
 
 So the step compiles once per bucket (`Engine.buckets`; `compile_buckets` does it up front).
 Before each step the host checks every sequence's write against its pages and the context

@@ -175,8 +175,7 @@ class PagedKVCache:
       row, not once per token: rows feeding one token attend as a (B, 1) layout, rows
       feeding more (at most `att_wide`) as a (att_wide, att_width) one, and the outputs are
       gathered back. The weights see only the packed tokens, and attention computes no
-      chunk-wide row for a decode (on Gemma 3 270M on CPU, one (8, 32) layout took 7-9 ms
-      per layer, whatever the tokens in it).
+      chunk-wide row for a decode (such a row costs as much whatever tokens it holds).
     """
     table = self.ring_table if self.ring[layer] else self.block_table
     last_B = self.length + self.num_new - 1  # newest position each row holds
