@@ -235,17 +235,22 @@ def run_qjax(model_name: str, fmt: str, p: Protocol, smoke: bool, threads: int) 
     _sync(tok)
     return time.perf_counter() - t
 
+  compiled = {}
+
+  def compile_loop(b: int):
+    compiled[b] = loop.lower(state, first[b], _decode_cache(cfg, model, b, p)).compile()
+
   def device_loop(b: int) -> float:
     cache = _decode_cache(cfg, model, b, p)
     _sync(cache)
     t = time.perf_counter()
-    _sync(loop(state, first[b], cache)[0])
+    _sync(compiled[b](state, first[b], cache)[0])
     return time.perf_counter() - t
 
   # Warm-up = compile: every executable of the row once, in parallel threads (XLA compiles
   # outside the GIL); the row's compile seconds are this phase's wall time.
   jobs = [prefill_once] + [functools.partial(host_loop, b, 1) for b in p.batches] + [
-      functools.partial(device_loop, b) for b in p.batches]
+      functools.partial(compile_loop, b) for b in p.batches]
   t0 = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
     list(pool.map(lambda f: f(), jobs))
@@ -266,8 +271,7 @@ def run_qjax(model_name: str, fmt: str, p: Protocol, smoke: bool, threads: int) 
       cell['bound_ms'] = 1e3 * bound
       cell['hbm_fraction_host_loop'] = bound / host_s
       cell['hbm_fraction_device_loop'] = bound / dev_s
-  cache = _decode_cache(cfg, model, p.batches[0], p)
-  analysis = loop.lower(state, first[p.batches[0]], cache).compile().memory_analysis()
+  analysis = compiled[p.batches[0]].memory_analysis()
   if analysis is not None:
     row['decode_loop_temp_bytes'] = int(analysis.temp_size_in_bytes)
   mem2 = device_memory(dev)
@@ -438,7 +442,12 @@ def main(argv=None) -> dict:
   ap.add_argument('--budget_s', type=float, default=330.0)
   ap.add_argument('--threads', type=int, default=None,
                   help='compile threads per row (default: min(8, cores))')
+  ap.add_argument('--render', default=None,
+                  help='comma-separated device_check.json files: merge their rows and write '
+                       'the markdown and plot to --out (nothing is measured)')
   a = ap.parse_args(argv)
+  if a.render:
+    return render([json.load(open(f)) for f in a.render.split(',')], a.out)
   start = time.perf_counter()
   batches = tuple(int(b) for b in (a.batches or ('1,2' if a.smoke else '1,8,64')).split(','))
   p = (Protocol(prefill=32, prompt=16, steps=4, batches=batches, reps=1) if a.smoke else
@@ -477,12 +486,22 @@ def main(argv=None) -> dict:
   result['wall_s'] = time.perf_counter() - start
   with open(json_path, 'w') as fh:
     json.dump(result, fh, indent=1, default=str)
-  text = markdown(result)
-  with open(os.path.join(a.out, 'device_check.md'), 'w') as fh:
+  return render([result], a.out)
+
+
+def render(results: list, out: str) -> dict:
+  """Write device_check.md and .png for one result, or several runs on one machine merged
+  (rows in order; the first run's environment and protocol; wall times added)."""
+  merged = dict(results[0], rows=[r for res in results for r in res['rows']],
+                not_run=[n for res in results for n in res.get('not_run', [])],
+                wall_s=sum(res.get('wall_s', 0) for res in results))
+  os.makedirs(out, exist_ok=True)
+  text = markdown(merged)
+  with open(os.path.join(out, 'device_check.md'), 'w') as fh:
     fh.write(text)
-  plot(result, os.path.join(a.out, 'device_check.png'))
+  plot(merged, os.path.join(out, 'device_check.png'))
   print(text)
-  return result
+  return merged
 
 
 if __name__ == '__main__':

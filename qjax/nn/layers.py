@@ -331,9 +331,10 @@ class Embed(Einsum):
     """Embedding rows of `tokens_BT` in `dtype`; a quantized table dequantizes only those rows."""
     table = self.w.get_value()
     if not isinstance(table, QArray):
-      table = self.fake_weight(table)
-      return table[tokens_BT].astype(dtype)
-    return dequantize(table[tokens_BT], dtype)
+      rows_BTD = self.fake_weight(table)[tokens_BT].astype(dtype)
+    else:
+      rows_BTD = dequantize(table[tokens_BT], dtype)
+    return shard_hooks.current().embed_rows(self, rows_BTD)
 
 
 class RMSNorm(nnx.Module):

@@ -20,6 +20,11 @@ class ShardHooks:
     del letters
     return x
 
+  def embed_rows(self, layer, x_BTD):
+    """The embedding rows `layer` (an Embed) gathered for the tokens; a layout may pin them."""
+    del layer
+    return x_BTD
+
   def einsum(self, layer, x, w, compute: Callable):
     """`compute(x, w)` for Einsum `layer`; a layout may gather `w` or shard the product."""
     del layer

@@ -73,6 +73,14 @@ class LayoutHooks(shard_hooks.ShardHooks):
     return jax.lax.with_sharding_constraint(
         x, self._sharding([self._act(c) for c in letters]))
 
+  def embed_rows(self, layer, x_BTD):
+    # The gathered rows keep the table's D sharding first (the gather passes that dim
+    # through); the caller then constrains them to the 'BTD' activation layout. Without this
+    # step jaxlib 0.11's SPMD partitioner aborts the process when the table's D axes differ
+    # from the activation's (a CHECK in AlignGroupsWith: 2d_ws layouts on a 2x2x2 mesh).
+    d_axes = self.rules.mesh_axes_of(layer.axes, 'the embedding table')[1]
+    return jax.lax.with_sharding_constraint(x_BTD, self._sharding([(), (), d_axes]))
+
   # ---- projections -------------------------------------------------------------------
   def einsum(self, layer, x, w, compute):
     r, what = self.rules, f'{type(layer).__name__} {layer.spec} {layer.axes}'

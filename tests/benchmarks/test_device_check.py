@@ -40,3 +40,26 @@ def test_chip_and_int4_group_choices():
   assert device_check.int4_group(device_check.model_config('llama32_1b', False)) == 64
   assert device_check.int4_group(device_check.model_config('gemma3_270m', False)) == 128
   assert device_check.CHIP_OF_KIND[0] == ('h200', 'h200')
+
+
+def test_render_merges_saved_runs(tmp_path):
+  run = {'environment': {'date_utc': '2026-12-04 17:06', 'device_kind': 'NVIDIA H200',
+                         'backend': 'gpu', 'versions': {'jax': '0.11.2'}, 'python': '3.12.3'},
+         'protocol': {'prefill': 512, 'prompt': 128, 'steps': 64, 'batches': [1]},
+         'wall_s': 10.0}
+  cell = {'host_loop_ms': 3.0, 'host_loop_tok_s': 333.0, 'device_loop_ms': 1.5,
+          'device_loop_tok_s': 667.0, 'hbm_fraction_device_loop': 0.35}
+  a = dict(run, rows=[{'model': 'llama32_1b', 'format': 'bf16', 'weight_bytes': 2**31,
+                       'prefill_tok_s': 7e4, 'b1': cell, 'compile_s': 20.0}])
+  b = dict(run, rows=[{'model': 'gemma3_270m', 'format': 'int4', 'group': 128,
+                       'weight_bytes': 2**28, 'prefill_tok_s': 9e4, 'b1': cell}],
+           not_run=['gemma3_270m fp8'])
+  paths = []
+  for name, res in (('a.json', a), ('b.json', b)):
+    (tmp_path / name).write_text(json.dumps(res))
+    paths.append(str(tmp_path / name))
+  merged = device_check.main([f"--render={','.join(paths)}", f'--out={tmp_path}'])
+  assert len(merged['rows']) == 2 and merged['wall_s'] == 20.0
+  text = (tmp_path / 'device_check.md').read_text()
+  assert '| bf16 | 2,048 | 70,000 | 3.000 | 1.500 | 35% | 20.0 |' in text, text
+  assert '| int4 g128 |' in text and 'Not run (time budget): gemma3_270m fp8.' in text
