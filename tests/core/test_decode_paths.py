@@ -98,6 +98,7 @@ def _temp_bytes(f, *args):
   return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.backend('cpu', reason="the XLA:CPU decode paths' temp memory")
 def test_gemma_head_temp_memory_is_a_fraction_of_the_codes():
   # Gemma 3's tied head, 262144 x 640, compiled from abstract values (no 671 MB weight built).
   v, d = 262144, 640
@@ -179,6 +180,7 @@ def test_w8a8_decode_accuracy_gate():
       assert not np.allclose(y, ref, rtol=1e-6, atol=1e-7)  # it is not weight-only math
 
 
+@pytest.mark.backend('cpu', reason="the XLA:CPU blocked int8 head path")
 def test_int8_activation_head_at_prefill_shapes_stays_in_blocks():
   # A W8A8 / W4A8 head with more rows than the kernel takes runs in V blocks on int8-quantized
   # activations (f32 dots): the int8 numerics (a float64 numpy reference) without the GiBs of

@@ -43,6 +43,11 @@ def _eager(name):
   return np.asarray(CASES[name](W, X))
 
 
+@pytest.mark.backend(
+    'cpu',
+    reason=(
+        'XLA:CPU runs these ops unfused; XLA:GPU fuses the jitted form (FMA contraction),'
+        ' so a rounding tie can land one code apart'))
 @pytest.mark.parametrize('name', sorted(CASES))
 def test_jit_equals_eager(name):
   np.testing.assert_allclose(jax.jit(CASES[name])(W, X), _eager(name), rtol=2e-6, atol=1e-6)

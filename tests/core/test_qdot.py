@@ -103,9 +103,10 @@ class QdotTest(chex.TestCase):
     temp = jax.jit(lambda x, q: qdot(x, q, path='int8')).lower(x, q).compile() \
         .memory_analysis().temp_size_in_bytes
     assert temp < f32_copy / 2, temp
-    temp_dq = jax.jit(lambda x, q: qdot(x, q, path='dequant')).lower(x, q).compile() \
-        .memory_analysis().temp_size_in_bytes
-    assert temp_dq >= f32_copy  # the documented reason 'dequant' is not the CPU default
+    if jax.default_backend() == 'cpu':  # the documented reason 'dequant' is not the CPU default
+      temp_dq = jax.jit(lambda x, q: qdot(x, q, path='dequant')).lower(x, q).compile() \
+          .memory_analysis().temp_size_in_bytes
+      assert temp_dq >= f32_copy
 
 
 class TiledPathTest(chex.TestCase):

@@ -38,6 +38,11 @@ def _prefill_decode(state, step, tokens, cache, prefill=5):
 
 @pytest.mark.parametrize('fmt', ['int8', 'int4', 'fp8', GROUPED_INT4],
                          ids=lambda f: getattr(f, 'name', f))
+@pytest.mark.backend(
+    'cpu',
+    reason=(
+        'bit-identical logits across two compiled programs hold on XLA:CPU; XLA:GPU fuses'
+        ' them differently'))
 def test_full_forward_equals_serving_through_a_cache_of_the_format(fmt):
   """Bit for bit where the float model's own cache is (one prefill of the whole sequence).
 

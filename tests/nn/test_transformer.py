@@ -50,6 +50,11 @@ class DecodeTest(parameterized.TestCase):
     np.testing.assert_allclose(jnp.concatenate(chunks, 1), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.backend(
+    'cpu',
+    reason=(
+        'equal to 1e-6 when every batch size runs the same GEMM kernel (XLA:CPU); GPU '
+        'GEMMs are chosen per M'))
 @pytest.mark.parametrize('fmt', [None, 'int8'])
 def test_rows_at_different_lengths_decode_as_if_alone(fmt, full_optimization):
   """A ragged batch: each row keeps its own length, positions and mask."""
