@@ -51,6 +51,7 @@ from qjax.infer.scheduler import PREEMPTION_MODES, Scheduler
 from qjax.infer.scheduler import Sequence as SeqState
 from qjax.nn.attention import kv_format
 from qjax.nn.generate import argmax_last
+from qjax.nn import validate
 from qjax.nn.kvcache import check_format
 
 
@@ -93,8 +94,15 @@ class EngineConfig:
                        f'{PREEMPTION_MODES}.')
     for name in ('max_batch', 'page_size', 'num_pages', 'chunk_size'):
       v = getattr(self, name)
-      if not isinstance(v, int) or v < 1:
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f'EngineConfig: {name}={v!r} must be a positive integer.')
+    if self.num_pages < 2:
+      raise ValueError(f'EngineConfig: num_pages={self.num_pages} leaves no page for a '
+                       'sequence (page 0 is the sink); use at least 2.')
+    if self.max_len is not None and (not isinstance(self.max_len, int) or
+                                     isinstance(self.max_len, bool) or self.max_len < 1):
+      raise ValueError(f'EngineConfig: max_len={self.max_len!r} must be a positive integer '
+                       "(the longest prompt + output) or None (the model's config.max_len).")
     if self.prefill_budget is not None and (not isinstance(self.prefill_budget, int)
                                             or self.prefill_budget < 1):
       raise ValueError(f'EngineConfig: prefill_budget={self.prefill_budget!r} must be a '
@@ -168,7 +176,7 @@ def _step(graphdef, state, tokens_BT, cache, last_B, params, position_B, seen_BV
   else:
     tok_B, logprob_B = jax.lax.cond(jnp.all(params.temperature_B == 0), _greedy, draw,
                                     logits_BV)
-  return tok_B, logprob_B, cache
+  return validate.mark_non_finite(tok_B, logits_BV), logprob_B, cache
 
 
 class Engine:
@@ -257,41 +265,54 @@ class Engine:
     """Queue a request; returns its id. Raises (this request only) on bad input.
 
     Args:
-      prompt: token ids, or text when the engine has a tokenizer.
+      prompt: token ids (a 1-d list or array of ints in [0, vocab)), or text when the
+        engine has a tokenizer.
       params: sampling parameters (default greedy, 16 tokens).
       request_id: a name for it (default: a counter).
     """
+    seq = self._prepare(prompt, params, request_id)
+    self._queue([seq])
+    return seq.id
+
+  def _prepare(self, prompt, params, request_id, taken=()) -> SeqState:
+    """A checked request, not queued: raises on bad input (`qjax.nn.validate`) or a request
+    that could never fit; `taken` holds ids of requests prepared alongside it."""
     params = SamplingParams(temperature=0.0) if params is None else params
     rid = str(next(self._ids)) if request_id is None else str(request_id)
-    if rid in self._seqs:
+    while request_id is None and (rid in self._seqs or rid in taken):
+      rid = str(next(self._ids))
+    if rid in self._seqs or rid in taken:
       raise ValueError(f'request {rid}: the id is already in use; pass another request_id.')
+    if not isinstance(params, SamplingParams):
+      raise ValueError(f'request {rid}: params={params!r} is a {type(params).__name__}, not a '
+                       'SamplingParams; pass SamplingParams(...) (e.g. '
+                       'SamplingParams(**that_dict)).')
     if isinstance(prompt, str):
       if self.tokenizer is None:
         raise ValueError(f'request {rid}: a text prompt needs Engine(..., tokenizer=).')
       encoded = self.tokenizer.encode(prompt)
       prompt = list(getattr(encoded, 'ids', encoded))  # a `tokenizers` Encoding, or a list
-    prompt = [int(t) for t in prompt]
     vocab = self.model.config.vocab_size
-    if not prompt:
-      raise ValueError(f'request {rid}: the prompt is empty; give at least one token.')
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-      raise ValueError(f'request {rid}: token ids {bad[:5]} are outside the vocabulary of '
-                       f'{vocab}; use ids in [0, {vocab}).')
+    prompt = validate.token_ids(prompt, vocab, f'request {rid}', ndim=1)
     params.check_vocab(vocab)
     if params.stop_strings and self.tokenizer is None:
       raise ValueError(f'request {rid}: stop_strings={params.stop_strings!r} need the output '
                        'text; build the engine with Engine(..., tokenizer=).')
-    seq = SeqState(rid, prompt, params.max_tokens, params)
-    self.scheduler.add(seq)  # raises for a request that can never fit
-    self._seqs[rid] = seq
-    return rid
+    seq = SeqState(rid, np.asarray(prompt).tolist(), params.max_tokens, params)
+    self.scheduler.check(seq)  # raises for a request that can never fit
+    return seq
+
+  def _queue(self, seqs) -> None:
+    for seq in seqs:
+      self.scheduler.add(seq)
+      self._seqs[seq.id] = seq
 
   def _finished(self, seq: SeqState) -> bool:
     text = None
     if seq.params.stop_strings and self.tokenizer is not None:
       text = self.tokenizer.decode(seq.output)
-    return finish_reason(seq.params, seq.output, text) is not None
+    seq.finish_reason = finish_reason(seq.params, seq.output, text)
+    return seq.finish_reason is not None
 
   # ---- stepping ----------------------------------------------------------------------------
   def step(self) -> list[tuple[str, int]]:
@@ -423,11 +444,20 @@ class Engine:
     return self.run()
 
   def _add_all(self, prompts, params) -> list[str]:
+    """Check every request, then queue them all (a bad one queues none)."""
+    if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+      raise ValueError('Engine: prompts must be a list of prompts (token-id lists or texts); '
+                       'for one prompt pass [prompt] (or use add_request).')
     plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(plist) != len(prompts):
       raise ValueError(f'{len(plist)} SamplingParams for {len(prompts)} prompts; give one per '
                        'prompt or a single one.')
-    return [self.add_request(prompt, prm) for prompt, prm in zip(prompts, plist)]
+    seqs, taken = [], set()
+    for prompt, prm in zip(prompts, plist):
+      seqs.append(self._prepare(prompt, prm, None, taken))
+      taken.add(seqs[-1].id)
+    self._queue(seqs)
+    return [seq.id for seq in seqs]
 
   def stream_text(self, prompt: Union[str, Sequence[int]],
                   params: Optional[SamplingParams] = None) -> Iterator[str]:
@@ -458,24 +488,46 @@ class Engine:
       yield from self.step()
 
   def generate(self, prompts: Sequence, params=None) -> list[list[int]]:
-    """The generated tokens of every prompt (in order), running them as one stream."""
+    """The generated tokens of every prompt (in order), running them as one stream.
+
+    Every request is checked before any is queued: a bad one raises and queues none. A
+    request whose logits turn non-finite ends early with finish reason 'error'
+    (`finish_reason`, `error`).
+    """
     ids = self._add_all(prompts, params)
     for _ in self.run():
       pass
     return [self._seqs[i].output for i in ids]
 
+  def _seq(self, request_id) -> SeqState:
+    seq = self._seqs.get(str(request_id))
+    if seq is None:
+      known = sorted(self._seqs)
+      raise KeyError(f'Engine: no request with id {request_id!r}; the ids are those '
+                     f'add_request returned ({len(known)} known: {known[:5]}'
+                     f'{"..." if len(known) > 5 else ""}).')
+    return seq
+
   def output(self, request_id: str) -> list[int]:
     """Tokens generated so far for `request_id`."""
-    return self._seqs[str(request_id)].output
+    return self._seq(request_id).output
+
+  def finish_reason(self, request_id: str) -> Optional[str]:
+    """'stop', 'length', 'error' (non-finite logits: see `error`), or None while it runs."""
+    return self._seq(request_id).finish_reason
+
+  def error(self, request_id: str) -> Optional[str]:
+    """Why `request_id` ended with finish reason 'error', else None."""
+    return self._seq(request_id).error
 
   def prefix_hit_tokens(self, request_id: str) -> int:
     """Prompt positions `request_id` took from the prefix cache when last admitted (0: a
     miss, or no prefix caching); a recompute preemption resets it."""
-    return self._seqs[str(request_id)].prefix_hit_tokens
+    return self._seq(request_id).prefix_hit_tokens
 
   def logprobs(self, request_id: str) -> list[float]:
     """Model log-probabilities of the generated tokens (requests with `logprobs=True`)."""
-    seq = self._seqs[str(request_id)]
+    seq = self._seq(request_id)
     if not seq.params.logprobs:
       raise ValueError(f'request {request_id}: log-probabilities were not requested; pass '
                        'SamplingParams(logprobs=True).')

@@ -52,6 +52,8 @@ class Sequence:
     prefix_hit_tokens: prompt positions taken from the prefix cache at admission.
     swapped: the host copy of its cached pages while it waits swapped out, else None.
     arrival: its place in arrival order (set by `Scheduler.add`): the priority.
+    finish_reason: 'stop', 'length' or 'error' once finished, else None.
+    error: why it ended with 'error' (non-finite logits), else None.
   """
 
   id: str
@@ -68,6 +70,8 @@ class Sequence:
   logprobs: list[float] = dataclasses.field(default_factory=list)
   swapped: Any = None
   arrival: int = -1
+  finish_reason: Optional[str] = None
+  error: Optional[str] = None
 
   @property
   def tokens(self) -> list[int]:
@@ -126,6 +130,12 @@ class Scheduler:
   # ---- requests ----------------------------------------------------------------------------
   def add(self, seq: Sequence) -> None:
     """Queue `seq`; raises if it could never fit the context or the pool."""
+    self.check(seq)
+    seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+    self.waiting.append(seq)
+
+  def check(self, seq: Sequence) -> None:
+    """Raise if `seq` could never fit the context or the pool (queues nothing)."""
     total = len(seq.prompt) + seq.max_tokens
     if total > self.max_len:
       raise ValueError(f'request {seq.id}: prompt of {len(seq.prompt)} tokens + max_tokens='
@@ -142,8 +152,6 @@ class Scheduler:
     if self.ring_pages and self.ring_allocator.num_pages - 1 < self.ring_pages:
       raise ValueError(f'request {seq.id}: a ring of {self.ring_pages} pages does not fit the '
                        f'ring pool of {self.ring_allocator.num_pages - 1}; build a larger one.')
-    seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
-    self.waiting.append(seq)
 
   def pages_for(self, positions: int) -> int:
     return -(-positions // self.page_size)
@@ -306,12 +314,22 @@ class Scheduler:
       num_new[seq.row] = min(feeds[id(seq)], len(seq.pages) * self.page_size - seq.num_cached)
     return StepPlan(rows, num_new)
 
+  def fail(self, seq: Sequence) -> None:
+    """End running `seq` with finish reason 'error': its logits were not finite."""
+    seq.finished, seq.finish_reason = True, 'error'
+    seq.error = (f'request {seq.id}: the logits for output token {len(seq.output)} are not '
+                 'finite (NaN or inf), so no token was chosen; check the weights for NaN/inf '
+                 'or compute in float32.')
+    self.release(seq)
+
   def complete(self, plan: StepPlan, tokens: list[int], finished) -> list[tuple[str, int]]:
     """Apply a step's results: positions cached, sampled tokens appended, finished released.
 
     Args:
       plan: the step's plan.
-      tokens: the token sampled in each row (ignored for rows still prefilling).
+      tokens: the token sampled in each row (ignored for rows still prefilling);
+        `NON_FINITE` (-1) where the row's logits were not finite: that request ends with
+        finish reason 'error' and no token.
       finished: `finished(seq) -> bool` after a token is appended.
 
     Returns:
@@ -325,7 +343,9 @@ class Scheduler:
       if self.prefix_cache is not None and not seq.output:
         done = min(seq.num_cached, len(seq.prompt))
         self.prefix_cache.insert(seq.prompt[:done], seq.pages)
-      if seq.num_pending == 0:  # the whole sequence is cached: this row sampled a token
+      if seq.num_pending == 0 and int(tokens[row]) < 0:  # NON_FINITE: no token to give
+        self.fail(seq)
+      elif seq.num_pending == 0:  # the whole sequence is cached: this row sampled a token
         seq.output.append(int(tokens[row]))
         events.append((seq.id, int(tokens[row])))
         if finished(seq):
