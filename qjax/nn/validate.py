@@ -56,9 +56,9 @@ def token_ids(tokens: Any, vocab_size: int, what: str, *, ndim: Optional[int] = 
   else:
     try:
       ids = np.asarray(tokens)
-    except ValueError as e:  # ragged nested lists
-      raise ValueError(f'{what}: token ids {_short(tokens)} are ragged ({e}); give every row '
-                       'the same length (pad, or run the rows separately).') from None
+    except ValueError:  # ragged nested lists
+      raise ValueError(f'{what}: token ids {_short(tokens)} are ragged; give every row the '
+                       'same length (pad, or run the rows separately).') from None
   if ids.dtype == object or ids.dtype.kind in 'USV':
     bad = next((x for x in np.ravel(ids) if not isinstance(x, numbers.Integral)
                 or isinstance(x, bool)), ids.dtype)
