@@ -8,8 +8,9 @@
 One step is one jitted function of (model state, tokens, cache, last_B, sampling): it runs
 every block against the paged cache (`qjax.infer.paged`), takes each sequence's last fed
 token, and samples (`qjax.infer.sampling.sample`, per-row seeds; an all-greedy step without
-a repetition penalty takes `argmax_last` and skips the sampler's passes over the 262k-entry
-vocabulary, ~25x cheaper on CPU).
+a repetition penalty takes `argmax_or_non_finite` and skips the sampler's passes over the
+262k-entry vocabulary, ~25x cheaper on CPU). A row whose logits are not finite yields the
+token -1 (`qjax.nn.validate.NON_FINITE`), and its request ends with finish reason 'error'.
 
 A step's tokens are packed: tokens (N, 1), each sequence's fed tokens one after another, so
 the weights see the tokens the step feeds and nothing else (no decode padded to a chunk's
@@ -50,7 +51,7 @@ from qjax.infer.sampling import SamplingBatch, SamplingParams, finish_reason, ro
 from qjax.infer.scheduler import PREEMPTION_MODES, Scheduler
 from qjax.infer.scheduler import Sequence as SeqState
 from qjax.nn.attention import kv_format
-from qjax.nn.generate import argmax_last
+from qjax.nn.generate import argmax_or_non_finite
 from qjax.nn import validate
 from qjax.nn.kvcache import check_format
 
@@ -157,8 +158,9 @@ _TRACES = [0]  # how often `_step` was traced (= compiled), over every engine
 
 
 def _greedy(logits_BV):
-  """Greedy tokens and their model log-probabilities, as `sample` gives for greedy rows."""
-  tok_B = argmax_last(logits_BV)
+  """Greedy tokens and their model log-probabilities, as `sample` gives for greedy rows
+  (`NON_FINITE` for a row whose logits are not finite)."""
+  tok_B = argmax_or_non_finite(logits_BV)
   lse_B = jax.nn.logsumexp(logits_BV, axis=-1)
   return tok_B, jnp.take_along_axis(logits_BV, tok_B[:, None], axis=-1)[:, 0] - lse_B
 
@@ -170,13 +172,16 @@ def _step(graphdef, state, tokens_BT, cache, last_B, params, position_B, seen_BV
   x_BTD, cache = paged.forward(model, tokens_BT, cache)
   x_B1D = x_BTD.reshape(-1, 1, x_BTD.shape[-1])[last_B]  # last_B: each row's last token
   logits_BV = model.logits(x_B1D)[:, 0]
-  draw = lambda x: sample(x, params, row_keys(params.seed_B, position_B), seen_BV)
+  def draw(x):
+    tok_B, logprob_B = sample(x, params, row_keys(params.seed_B, position_B), seen_BV)
+    return validate.mark_non_finite(tok_B, x), logprob_B
+
   if seen_BV is not None:  # the penalty changes the argmax: the general path
     tok_B, logprob_B = draw(logits_BV)
   else:
     tok_B, logprob_B = jax.lax.cond(jnp.all(params.temperature_B == 0), _greedy, draw,
                                     logits_BV)
-  return validate.mark_non_finite(tok_B, logits_BV), logprob_B, cache
+  return tok_B, logprob_B, cache
 
 
 class Engine:

@@ -208,9 +208,10 @@ def _last_logits(model, tokens_BT, cache, num_real):
   positions_BT = _fed_positions(cache, tokens_BT.shape[1], num_real)
   x_BTD, cache = model.blocks(model.embed_tokens(tokens_BT), positions_BT, cache)
   x_B1D = jax.lax.dynamic_slice_in_dim(x_BTD, num_real - 1, 1, axis=1)
+  # Poisoning the (B, 1, D) hidden state, not the (B, V) logits: no extra pass over V.
   ok_B = validate.ids_in_range(tokens_BT, model.config.vocab_size, num_real)
-  return (validate.poison_rows(model.logits(x_B1D)[:, 0], ok_B),
-          kvcache.advance(cache, num_real))
+  x_B1D = validate.poison_rows(x_B1D, ok_B)
+  return model.logits(x_B1D)[:, 0], kvcache.advance(cache, num_real)
 
 
 # Traces of each jitted step (one per compilation): `step_compilations()`.
@@ -236,11 +237,23 @@ def argmax_last(x_BV: jax.Array) -> jax.Array:
   `jnp.argmax` (the first NaN wins; only a row holding both +inf and NaN can differ: the
   first of either).
   """
+  return _argmax_top(x_BV)[0]
+
+
+def _argmax_top(x_BV: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(`argmax_last`, the max with NaN counted as +inf), one pass over V."""
   v = x_BV.shape[-1]
   key = jnp.where(jnp.isnan(x_BV), jnp.inf, x_BV)
   top = jnp.max(key, axis=-1, keepdims=True)
   iota = lax.broadcasted_iota(jnp.int32, x_BV.shape, x_BV.ndim - 1)
-  return jnp.min(jnp.where(key == top, iota, v), axis=-1)
+  return jnp.min(jnp.where(key == top, iota, v), axis=-1), top[..., 0]
+
+
+def argmax_or_non_finite(x_BV: jax.Array) -> jax.Array:
+  """`argmax_last`, or `validate.NON_FINITE` (-1) for a row holding NaN or +inf (or all
+  -inf), from the same reduction (no extra pass over the vocabulary)."""
+  idx_B, top_B = _argmax_top(x_BV)
+  return jnp.where(jnp.isfinite(top_B), idx_B, validate.NON_FINITE)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
@@ -248,8 +261,7 @@ def _greedy_step(graphdef, state, tokens_BT, num_real, cache):
   _TRACES['greedy'] += 1
   model = nnx.merge(getattr(graphdef, 'graphdef', graphdef), state)
   logits_BV, cache = _last_logits(model, tokens_BT, cache, num_real)
-  tok_B = validate.mark_non_finite(argmax_last(logits_BV), logits_BV)
-  return tok_B.astype(tokens_BT.dtype), cache
+  return argmax_or_non_finite(logits_BV).astype(tokens_BT.dtype), cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=4)
@@ -267,7 +279,7 @@ def _logits_step(graphdef, state, tokens_BT, num_real, cache):
   positions_BT = _fed_positions(cache, tokens_BT.shape[1], num_real)
   x_BTD, cache = model.blocks(model.embed_tokens(tokens_BT), positions_BT, cache)
   ok_B = validate.ids_in_range(tokens_BT, model.config.vocab_size, num_real)
-  return validate.poison_rows(model.logits(x_BTD), ok_B), kvcache.advance(cache, num_real)
+  return model.logits(validate.poison_rows(x_BTD, ok_B)), kvcache.advance(cache, num_real)
 
 
 def _padded_run(model, tokens_BT, cache, buckets, what: str, run: Callable):
