@@ -56,13 +56,14 @@ def _round(tgraph, tstate, dgraph, dstate, gamma, tcache, dcache, cur_B, gen_B, 
   def draft_step(carry, i):
     dcache, tok_B = carry
     x_B1D, dcache = paged.forward(draft, tok_B[:, None], dcache)
-    q_logp_BV = processed_logits(draft.logits(x_B1D)[:, 0], params)
+    logits_BV = draft.logits(x_B1D)[:, 0]
+    q_logp_BV = processed_logits(logits_BV, params)
     keys_B = row_keys(params.seed_B, gen_B + i, _DRAFT)
     new_B = jax.vmap(jax.random.categorical)(keys_B, q_logp_BV).astype(jnp.int32)
-    return (dcache, new_B), (new_B, q_logp_BV)
+    return (dcache, new_B), (new_B, q_logp_BV, validate.finite_rows(logits_BV))
 
-  (dcache, _), (d_XB, q_XBV) = jax.lax.scan(draft_step, (dcache, cur_B),
-                                            jnp.arange(gamma + 1))
+  (dcache, _), (d_XB, q_XBV, finite_XB) = jax.lax.scan(draft_step, (dcache, cur_B),
+                                                       jnp.arange(gamma + 1))
   draft_BG = d_XB[:gamma].swapaxes(0, 1)
   q_BGV = q_XBV[:gamma].swapaxes(0, 1)
   x_BXD, tcache = paged.forward(target, jnp.concatenate([cur_B[:, None], draft_BG], 1), tcache)
@@ -70,8 +71,7 @@ def _round(tgraph, tstate, dgraph, dstate, gamma, tcache, dcache, cur_B, gen_B, 
   logits_BXV = target.logits(x_BXD)
   # Non-finite target or draft logits: the row's first token is NON_FINITE (the request ends
   # with 'error'), never a draw from NaN.
-  finite_B = (validate.finite_rows(logits_BXV.reshape(b, -1)) &
-              jnp.all(validate.finite_rows(q_XBV), axis=0))
+  finite_B = validate.finite_rows(logits_BXV.reshape(b, -1)) & jnp.all(finite_XB, axis=0)
   p_BXV = processed_logits(logits_BXV.reshape(b * x, -1),
                            jax.tree.map(lambda a: jnp.repeat(a, x), params)).reshape(b, x, -1)
   uniform_BG = jax.vmap(lambda k: jax.random.uniform(k, (gamma,)))(

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qjax.infer import (Engine, EngineConfig, SamplingParams, layer_skip_draft,
+from qjax.infer import (Engine, EngineConfig, SamplingParams, SpeculativeEngine,
                         sample_generate, speculative_generate)
 from qjax.nn import (Transformer, TransformerConfig, decode_step, greedy_generate, greedy_step,
                      init_cache, logits_step)
@@ -108,8 +108,11 @@ def test_nan_weights_raise_in_the_decode_loops(nan_model, run):
 
 
 @pytest.mark.parametrize('temperature', [0.0, 1.0])
-def test_nan_weights_end_engine_requests_with_error(nan_model, temperature):
-  engine = Engine(nan_model, ENGINE)
+@pytest.mark.parametrize('speculative', [False, True])
+def test_nan_weights_end_engine_requests_with_error(nan_model, temperature, speculative):
+  # The speculative engine's first step is a plain one (prefill): NaN shows there already.
+  engine = (SpeculativeEngine(nan_model, nan_model, ENGINE, gamma=2) if speculative else
+            Engine(nan_model, ENGINE))
   out = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=temperature,
                                                             max_tokens=4))
   assert out == [[], []]  # never token 0
@@ -140,3 +143,11 @@ def test_generate_queues_nothing_when_one_request_is_bad(model):
   assert not engine.scheduler.has_work
   out = engine.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=2))
   assert len(out) == 1 and len(out[0]) == 2 and engine.stats.steps <= 2  # only its own work
+
+
+def test_a_speculative_round_with_non_finite_logits_ends_the_request(model, nan_model):
+  # A healthy target, a NaN draft: the prompt step is the target's (fine); the first round
+  # sees the draft's NaN and ends the request with 'error' instead of drawing from NaN.
+  engine = SpeculativeEngine(model, nan_model, ENGINE, gamma=2)
+  out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
+  assert engine.finish_reason('0') == 'error' and len(out[0]) == 1
