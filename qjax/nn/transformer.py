@@ -130,6 +130,8 @@ class Transformer(nnx.Module):
     cfg = self.config
     check_token_ids(tokens_BT, cfg.vocab_size)
     x_BTD = self.embed.lookup(tokens_BT, cfg.compute_dtype)
+    if isinstance(tokens_BT, jax.core.Tracer):  # unknown ids: NaN for a bad one, not a clamp
+      x_BTD = validate.poison_ids(x_BTD, tokens_BT, cfg.vocab_size)
     if cfg.embed_scale:
       x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, cfg.compute_dtype)
     return x_BTD

@@ -6,12 +6,16 @@ Every public entry point that takes token ids (`Transformer.__call__`, `greedy_g
 value is an error that names it and the fix instead of a silently wrong output.
 
 The contract inside `jax.jit` (values unknown while tracing): JAX's gather wraps a negative
-id and clamps an id >= V, silently. So the jitted steps of `qjax.nn.generate` check their
-ids on the device instead: a row fed an id outside [0, V) gets NaN logits, and a row whose
-logits are not finite yields the token `NON_FINITE` (-1) instead of an argmax (which would
-be id 0). The loops raise on it (`greedy_generate`, `sample_generate`,
-`speculative_generate`) and the engine ends that request with finish reason 'error'. A
-forward jitted by the caller is not checked; `checked_forward` is its checked variant.
+id and clamps an id >= V, silently. qjax turns that into NaN instead:
+* under jit the model embeds an id outside [0, V) as NaN (`Transformer.embed_tokens`), which
+  reaches the logits of its position and of later ones;
+* the jitted steps of `qjax.nn.generate` check each row's ids: a row fed one gets NaN logits;
+* a row whose logits are not finite yields the token `NON_FINITE` (-1) instead of an argmax
+  (which would be id 0): the loops (`greedy_generate`, `sample_generate`,
+  `speculative_generate`) raise on it and the engine ends that request with finish reason
+  'error'.
+A forward jitted by the caller gives NaN logits for a bad id rather than raising;
+`checked_forward` is its checked variant, which raises.
 
 Device arrays passed to the per-token steps are checked for their dtype only (reading the
 values back would wait for the previous step and serialise the loop); their values are
@@ -140,6 +144,12 @@ def ids_in_range(tokens_BT: jax.Array, vocab_size: int, num_real=None) -> jax.Ar
   return jnp.all(ok_BT, axis=1)
 
 
+def poison_ids(x_BTD: jax.Array, tokens_BT: jax.Array, vocab_size: int) -> jax.Array:
+  """In-jit: NaN embeddings where an id is outside [0, vocab_size) (gather would clamp it)."""
+  ok_BT = (tokens_BT >= 0) & (tokens_BT < vocab_size)
+  return jnp.where(ok_BT[..., None], x_BTD, jnp.nan)
+
+
 def poison_rows(logits_BxV: jax.Array, ok_B: jax.Array) -> jax.Array:
   """In-jit: NaN logits for the rows not `ok_B` (logits of rank >= 2, rows first)."""
   ok = ok_B.reshape(ok_B.shape + (1,) * (logits_BxV.ndim - 1))
@@ -164,6 +174,8 @@ def raise_non_finite(tokens_BN, what: str, start: int = 0) -> None:
     what: the loop, for the message.
     start: the column of the first generated token.
   """
+  if isinstance(tokens_BN, jax.core.Tracer):  # a loop traced by an outer jit: no values
+    return
   out = np.asarray(tokens_BN)[:, start:]
   hit = np.argwhere(out == NON_FINITE)
   if hit.size:
