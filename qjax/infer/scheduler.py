@@ -9,14 +9,17 @@ requests join when a row is free and the pool has the pages of their first chunk
 Priority is arrival order (vLLM's FCFS policy), and it is what makes progress certain. When a
 running sequence needs a page and none is free, the latest-arrived sequence younger than it
 is preempted; with none younger, it preempts itself. A waiting request older than some
-running ones (it was preempted earlier) takes their row or pages back the same way. So the
-oldest unfinished request is never preempted, is running after every `schedule()` and feeds
-at least one token each step (it is grown first and gets the prefill budget first): every
-request that fits the pool alone finishes, and a workload finishes within
-sum(len(prompt) + max_tokens) steps. (Preempting by admission order instead let two requests
-evict each other forever under recompute: each readmission made the other one the
-"younger".) A preempted sequence waits again, in arrival order, with its
-prompt and the tokens generated so far. With `preemption='recompute'` (vLLM's default) it
+running ones (it was preempted earlier) takes their row or pages back the same way; other
+waiting requests are not admitted in a step that preempted (as in vLLM: they would take the
+pages just freed, or readmit what was just preempted). So the oldest unfinished request is
+never preempted, is running after every `schedule()` and feeds at least one token each step
+(it is grown first and gets the prefill budget first): every request that fits the pool
+alone finishes, and a workload finishes within sum(len(prompt) + max_tokens) steps.
+Preempting by admission order instead let two requests evict each other forever under
+recompute, each readmission making the other one the later admitted.
+
+A preempted sequence waits again, in arrival order, with its prompt and the tokens
+generated so far. With `preemption='recompute'` (vLLM's default) it
 recomputes them when readmitted; with `preemption='swap'` the pages holding its cached
 positions are first copied to host memory (`swap_out`) and written back into fresh pages
 when it is readmitted (`swap_in`), so it resumes where it stopped. Either way its output is
