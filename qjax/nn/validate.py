@@ -64,10 +64,18 @@ def token_ids(tokens: Any, vocab_size: int, what: str, *, ndim: Optional[int] = 
       raise ValueError(f'{what}: token ids {_short(tokens)} are ragged; give every row the '
                        'same length (pad, or run the rows separately).') from None
   if ids.dtype == object or ids.dtype.kind in 'USV':
-    bad = next((x for x in np.ravel(ids) if not isinstance(x, numbers.Integral)
-                or isinstance(x, bool)), ids.dtype)
-    raise ValueError(f'{what}: token id {bad!r} is not an integer; pass int ids (the '
-                     "tokenizer's output).")
+    flat = np.ravel(ids)
+    not_int = [x for x in flat if not isinstance(x, numbers.Integral) or isinstance(x, bool)]
+    if not_int or not len(flat) or ids.dtype != object:
+      bad = not_int[0] if not_int else ids.dtype
+      bad = bad.item() if isinstance(bad, np.generic) else bad
+      raise ValueError(f'{what}: token id {bad!r} is not an integer; pass int ids (the '
+                       "tokenizer's output).")
+    outside = [x for x in flat if not 0 <= x < vocab_size]  # e.g. ints too large for int64
+    if outside:
+      raise ValueError(f'{what}: token id {outside[0]} is outside the vocabulary [0, '
+                       f"{vocab_size}); use the model's tokenizer (ids < config.vocab_size).")
+    ids = ids.astype(np.int64)
   if ids.size == 0 and (ndim is not None or not on_device):
     if ndim is not None:
       raise ValueError(f'{what}: the prompt is empty (shape {tuple(ids.shape)}); give at '

@@ -71,3 +71,12 @@ def test_in_jit_helpers():
                   ).tolist() == [[False] * 3, [True] * 3]
   with pytest.raises(FloatingPointError, match='loop: the logits of row 1 at generated token 2'):
     validate.raise_non_finite(np.asarray([[5, 1, 1, 1], [5, 1, 1, -1]]), 'loop', start=1)
+
+
+def test_ids_past_int64_and_strings_are_named():
+  with pytest.raises(ValueError, match=r'f: token id 1180591620717411303424 is outside the '
+                                       r'vocabulary \[0, 8\)'):
+    validate.token_ids([1, 2**70], 8, 'f')
+  with pytest.raises(ValueError, match=r"f: token id 'a' is not an integer"):
+    validate.token_ids(['a'], 8, 'f')
+  assert validate.token_ids(np.array([1, 2], object), 8, 'f').tolist() == [1, 2]
