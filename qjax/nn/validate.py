@@ -199,7 +199,8 @@ def checked_forward(model, tokens_BT, **kwargs):
   """`model(tokens_BT, **kwargs)` jitted, with the ids and the logits checked on the device.
 
   The checked variant of a caller's own `jax.jit(model)`: ids outside [0, V) and non-finite
-  logits raise (`checkify`) instead of being clamped or passed on.
+  logits raise (`checkify`) instead of turning into NaN or being passed on. It compiles on
+  each call (`kwargs` are closed over): meant for debugging and tests, not a serving loop.
 
   Returns:
     what `model(tokens_BT, **kwargs)` returns.
