@@ -61,12 +61,22 @@ _PROJECTIONS = {  # GGUF block tensor -> qjax Einsum path; weights are (out, in)
     'ffn_down': 'mlp/down_proj'}
 
 
+def _check_gguf_path(path: str) -> None:
+  """Raise for a directory (naming a .gguf inside) or a missing file."""
+  if os.path.isdir(path):
+    found = sorted(n for n in os.listdir(path) if n.endswith('.gguf'))
+    raise ValueError(f'GGUF: {path!r} is a directory; pass the .gguf file itself'
+                     + (f', e.g. {os.path.join(path, found[0])!r}.' if found else
+                        ' (it holds no .gguf file).'))
+  if not os.path.isfile(path):
+    raise ValueError(f'GGUF file {path!r} does not exist.')
+
+
 def open_gguf(path: os.PathLike):
   """A `gguf.GGUFReader`, with a clear ValueError for a missing, truncated or foreign file."""
   import gguf  # pylint: disable=g-import-not-at-top
   path = os.fspath(path)
-  if not os.path.isfile(path):
-    raise ValueError(f'GGUF file {path!r} does not exist.')
+  _check_gguf_path(path)
   size = os.path.getsize(path)
   try:
     reader = gguf.GGUFReader(path)
@@ -197,8 +207,7 @@ def load_gguf(path: os.PathLike, *, param_dtype: str = 'float32', cache: bool = 
   """
   t0 = time.perf_counter()
   path = os.fspath(path)
-  if not os.path.isfile(path):
-    raise ValueError(f'GGUF file {path!r} does not exist.')
+  _check_gguf_path(path)
   sha = param_cache.sha256_of(path)
   entry = param_cache.entry_dir('gguf', sha, cache_dir) / 'params.safetensors'
   if cache and entry.is_file():

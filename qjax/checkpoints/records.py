@@ -51,6 +51,10 @@ def _check_entry(path: str, root_real: str, root: str) -> None:
     if os.path.commonpath([target, root_real]) != root_real:
       raise ValueError(f'{path!r} is a symlink to {target!r}, outside the checkpoint directory '
                        f'{root!r}; a checkpoint must hold its own files (copy the file in).')
+    if not os.path.exists(path):
+      raise ValueError(f'{path!r} is a symlink to {os.readlink(path)!r}, which does not exist '
+                       '(a dangling link: its target was moved or deleted); restore the file '
+                       'or save the checkpoint again.')
     st = os.stat(path)
     if stat.S_ISDIR(st.st_mode):
       raise ValueError(f'{path!r} is a symlink to a directory; a checkpoint directory holds '

@@ -68,6 +68,10 @@ def _window(c: dict, num_layers: int) -> dict:
   return dict(sliding_window=int(window) if window else None)
 
 
+_REQUIRED_KEYS = ('hidden_size', 'num_attention_heads', 'num_hidden_layers', 'vocab_size',
+                  'intermediate_size')
+
+
 def hf_config(c: dict, param_dtype: str = 'float32') -> TransformerConfig:
   """TransformerConfig from a HF Llama / Qwen2 / Mistral config.json dict."""
   mt = c.get('model_type')
@@ -81,6 +85,11 @@ def hf_config(c: dict, param_dtype: str = 'float32') -> TransformerConfig:
     if c.get(flag):
       raise ValueError(f'config.json: {flag}=true is not supported (qjax has biases only on '
                        'q/k/v, as in Qwen2).')
+  missing = [k for k in _REQUIRED_KEYS if k not in c]
+  if missing:
+    raise ValueError(f'config.json: missing {missing} (model_type {mt!r} needs '
+                     f'{list(_REQUIRED_KEYS)}); the file is incomplete: take the config.json '
+                     "saved with the weights (save_pretrained's).")
   d, n = int(c['hidden_size']), int(c['num_attention_heads'])
   layers = int(c['num_hidden_layers'])
   return TransformerConfig(
@@ -154,6 +163,9 @@ def load_safetensors(directory: os.PathLike, *, param_dtype: str = 'float32',
   expected = hf_shapes(cfg)
   handles, tied_head = {}, None
   for path in files:
+    if not os.path.exists(path):  # glob lists a dangling symlink (a deleted HF cache blob)
+      raise ValueError(f'{path}: a symlink to {os.readlink(path)!r}, which does not exist (a '
+                       'dangling link: the file it pointed to was deleted); download it again.')
     try:
       fh = safe_open(path, framework='flax')
     except Exception as e:  # pylint: disable=broad-except  (SafetensorError is not exported)

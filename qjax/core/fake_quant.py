@@ -72,6 +72,8 @@ def fake_quant(x: jax.Array, fmt: QFormat, calibration: RangeArg = None,
   """
   check_input(x, 'fake_quant', fmt)
   if scale is None:
+    numerics.check_subnormal(x, numerics.scale_shape(x.shape, fmt),
+                             f'fake_quant({fmt.name}, shape={x.shape})')
     if isinstance(calibration, tuple):
       lo, hi = calibration
       numerics.check_range(lo, hi, f'fake_quant({fmt.name}, shape={x.shape})')
@@ -84,8 +86,11 @@ def fake_quant(x: jax.Array, fmt: QFormat, calibration: RangeArg = None,
       s = np.asarray(scale, np.float32)
       numerics.check_scales(np.where(np.isnan(s), 1.0, s), fmt,
                             f'fake_quant({fmt.name}, shape={x.shape})')
-  elif fmt.symmetric:
-    zero_point = None
+  else:
+    # Given scales (a learned LSQ parameter, a loaded one) are checked when concrete; under
+    # jit the caller keeps them positive (e.g. a softplus parametrisation).
+    numerics.check_given_scale(scale, f'fake_quant({fmt.name}, shape={x.shape})')
+    zero_point = None if fmt.symmetric else zero_point
   sshape = numerics.scale_shape(x.shape, fmt)
   if tuple(scale.shape) != sshape:
     raise ValueError(f'fake_quant({fmt.name}): scales of shape {tuple(scale.shape)} for a '

@@ -91,8 +91,8 @@ class QFormat:
       raise ValueError(f"QFormat: unknown kind={self.kind!r}; use 'int' or one of "
                        f'{sorted(FLOAT_KINDS)}.')
     if self.group_size is not None and not 1 <= self.group_size <= 65536:
-      raise ValueError(f'QFormat: group_size={self.group_size} must be a positive integer '
-                       '(typically 32, 64 or 128) or None for no grouping.')
+      raise ValueError(f'QFormat: group_size={self.group_size} must be in [1, 65536] '
+                       '(typically 32, 64 or 128), or None for no grouping.')
     if self.scale_dtype not in _SCALE_DTYPES:
       raise ValueError(f'QFormat: scale_dtype={self.scale_dtype!r} is not a floating dtype '
                        f'we store scales in; use one of {_SCALE_DTYPES}.')

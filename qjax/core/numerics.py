@@ -206,6 +206,44 @@ def check_range(lo, hi, what: str) -> None:
                      'pass (lo, hi) with lo <= hi.')
 
 
+def check_subnormal(x, scale_shape_: Sequence[int], what: str) -> None:
+  """Raise if a concrete `x` has a scale group whose nonzero values are all float32 subnormals.
+
+  XLA flushes subnormals to zero on CPU and GPU, so such a group's range reads as 0 and it
+  would quantize to zeros silently (a float16 scale underflow is refused by `check_scales`;
+  this is the float32 case of the same loss).
+  """
+  if not is_concrete(x):
+    return
+  host = np.abs(np.asarray(x, np.float32))
+  tiny = np.finfo(np.float32).tiny
+  if not ((host > 0) & (host < tiny)).any():  # the usual case: one pass
+    return
+  amax = np.max(tiled(host, scale_shape_), axis=tile_axes(host.ndim))
+  bad = (amax > 0) & (amax < tiny)
+  if bad.any():
+    i = tuple(int(j) for j in np.argwhere(bad)[0])
+    raise ValueError(f'{what}: {int(bad.sum())} scale group(s) hold only float32 subnormal '
+                     f'values (the one at scale index {i}: max |x| {amax[i]:.3g} < the '
+                     f'smallest normal {tiny:.3g}); the device flushes them to zero, so they '
+                     'would quantize to zeros. Rescale the tensor (multiply it by a power of '
+                     'two and fold the factor into the next layer) or set them to 0.')
+
+
+def check_given_scale(scale, what: str) -> None:
+  """Raise if concrete caller-given scales are not finite and > 0 (a zero scale zeroes its
+  group, a negative one flips its sign, both silently)."""
+  if not is_concrete(scale):
+    return
+  s = np.asarray(scale, np.float32)
+  bad = ~(np.isfinite(s) & (s > 0))
+  if bad.any():
+    i = tuple(int(j) for j in np.argwhere(bad)[0])
+    raise ValueError(f'{what}: {int(bad.sum())} given scale(s) are not finite and > 0 (the one '
+                     f'at index {i} is {s[i]}); pass positive finite scales (e.g. from '
+                     'compute_range and scale_and_zero_point), or scale=None to calibrate.')
+
+
 def check_scales(scale, fmt: QFormat, what: str, lo=None, hi=None) -> None:
   """Raise if concrete scales are not finite and > 0, naming the scale dtype.
 

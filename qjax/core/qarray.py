@@ -277,6 +277,9 @@ def check_input(x, what: str, fmt: QFormat) -> None:
   Raises:
     ValueError: not a floating array, a scalar, or an empty array (named with its shape).
   """
+  if isinstance(x, (list, tuple)) or np.isscalar(x):
+    raise ValueError(f'{what}({fmt.name}): got a Python {type(x).__name__}, not an array; '
+                     'pass jnp.asarray(x, jnp.float32).')
   dtype = getattr(x, 'dtype', None)
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f'{what}({fmt.name}): expected a floating tensor, got dtype {dtype}; cast '
@@ -304,6 +307,7 @@ def quantize(x: jax.Array, fmt: QFormat, calibration: RangeArg = None) -> QArray
   check_input(x, 'quantize', fmt)
   numerics.check_finite(x, f'quantize({fmt.name}, shape={x.shape}): the tensor')
   sshape = numerics.scale_shape(x.shape, fmt)
+  numerics.check_subnormal(x, sshape, f'quantize({fmt.name}, shape={x.shape})')
   if isinstance(calibration, tuple):
     lo, hi = calibration
     if tuple(np.shape(lo)) != sshape or tuple(np.shape(hi)) != sshape:

@@ -241,5 +241,8 @@ def _integer_like_einsum(xs, ws, out, x, w: QArray, path, out_dtype):
 
 def qdot(x: jax.Array, w: Union[jax.Array, QArray], **kw) -> jax.Array:
   """`x @ w` for a 2-d weight (contracting x's last axis with w's first), via `qeinsum`."""
+  if len(w.shape) != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
+    raise ValueError(f'qdot: x{tuple(x.shape)} @ w{tuple(w.shape)}: w must be 2-d (K, N) with '
+                     "K equal to x's last axis; transpose or reshape one of them.")
   letters = string.ascii_lowercase[:x.ndim - 1]
   return qeinsum(f'{letters}y,yz->{letters}z', x, w, **kw)

@@ -16,8 +16,8 @@ from qjax.infer.speculative_core import acceptance_prob, expected_tokens_per_pas
 # --- end sampling and speculative decoding ---
 
 # --- engine: blockwise attention, paged KV cache, scheduler, prefix cache, traces (blockwise.py,
-# paged.py, page_host.py, scheduler.py, prefix_cache.py, engine.py, spec_engine.py, trace.py,
-# serving.py) ---
+# paged.py, page_host.py, scheduler.py, prefix_cache.py, engine_config.py, engine.py,
+# spec_engine.py, trace.py, serving.py) ---
 from qjax.infer.blockwise import (attention_temp_bytes, bucket_perplexity, forward_temp_bytes,
                                   token_nll, with_attention_impl)
 from qjax.infer.paged import (POOL_AXES, PagedKVCache, init_paged_cache, ring_pages_needed,

@@ -8,8 +8,9 @@
 One step is one jitted function of (model state, tokens, cache, last_B, sampling): it runs
 every block against the paged cache (`qjax.infer.paged`), takes each sequence's last fed
 token, and samples (`qjax.infer.sampling.sample`, per-row seeds; an all-greedy step without
-a repetition penalty takes `argmax_last` and skips the sampler's passes over the 262k-entry
-vocabulary, ~25x cheaper on CPU).
+a repetition penalty takes `argmax_or_non_finite` and skips the sampler's passes over the
+262k-entry vocabulary, ~25x cheaper on CPU). A row whose logits are not finite yields the
+token -1 (`qjax.nn.validate.NON_FINITE`), and its request ends with finish reason 'error'.
 
 A step's tokens are packed: tokens (N, 1), each sequence's fed tokens one after another, so
 the weights see the tokens the step feeds and nothing else (no decode padded to a chunk's
@@ -31,7 +32,6 @@ Before each step the host checks every sequence's write against its pages and th
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 from typing import Iterator, Optional, Sequence, Union
@@ -42,87 +42,15 @@ import numpy as np
 from flax import nnx
 
 from qjax.infer import page_host, paged
+from qjax.infer.engine_config import EngineConfig, EngineStats
 from qjax.infer.prefix_cache import PrefixCache
 from qjax.infer.sampling import SamplingBatch, SamplingParams, finish_reason, row_keys, sample
-from qjax.infer.scheduler import PREEMPTION_MODES, Scheduler
+from qjax.infer.scheduler import Scheduler
 from qjax.infer.scheduler import Sequence as SeqState
+from qjax.nn import validate
 from qjax.nn.attention import kv_format
-from qjax.nn.generate import argmax_last
+from qjax.nn.generate import argmax_or_non_finite
 from qjax.nn.kvcache import check_format
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  """How the engine batches and stores the cache.
-
-  Attributes:
-    max_batch: rows of every step (B).
-    page_size: positions per page (P).
-    num_pages: pages per full-attention layer pool, the sink page included.
-    chunk_size: most prompt tokens a sequence feeds per step (chunked prefill).
-    max_len: longest prompt + output (default: the model's `config.max_len`). Every row's
-      block table covers it and attention visits every table entry, so keep it near the
-      longest request (Gemma's 32k context would scan 2048 pages of 16 per layer).
-    kv_format: None (the model's `kv_format`, float when it has none) or a KV format name.
-    prefix_caching: share full pages of identical prompt prefixes.
-    ring: sliding-window layers keep a ring of pages (off with prefix caching).
-    preemption: 'recompute' (a preempted request recomputes its prompt and output when
-      readmitted) or 'swap' (its cached pages are copied to host memory and restored).
-    prefill_budget: most prompt tokens fed per step over all sequences (vLLM's token budget
-      of chunked prefill), or None: every prefilling sequence feeds a chunk each step. With
-      `chunk_size`, every step fits the bucket of decodes beside one chunk.
-  """
-
-  max_batch: int = 4
-  page_size: int = 16
-  num_pages: int = 64
-  chunk_size: int = 32
-  max_len: Optional[int] = None
-  kv_format: Optional[str] = None
-  prefix_caching: bool = False
-  ring: bool = True
-  preemption: str = 'recompute'
-  prefill_budget: Optional[int] = None
-
-  def __post_init__(self):
-    if self.preemption not in PREEMPTION_MODES:
-      raise ValueError(f'EngineConfig: preemption={self.preemption!r} is unknown; use one of '
-                       f'{PREEMPTION_MODES}.')
-    for name in ('max_batch', 'page_size', 'num_pages', 'chunk_size'):
-      v = getattr(self, name)
-      if not isinstance(v, int) or v < 1:
-        raise ValueError(f'EngineConfig: {name}={v!r} must be a positive integer.')
-    if self.prefill_budget is not None and (not isinstance(self.prefill_budget, int)
-                                            or self.prefill_budget < 1):
-      raise ValueError(f'EngineConfig: prefill_budget={self.prefill_budget!r} must be a '
-                       'positive integer (prompt tokens per step) or None (no budget).')
-
-
-@dataclasses.dataclass
-class EngineStats:
-  """Counters of one engine (host side); `waste` entries are per step."""
-  steps: int = 0
-  prefill_tokens: int = 0  # prompt (and recomputed) positions computed
-  decode_tokens: int = 0
-  compilations: int = 0
-  prefix_hit_tokens: int = 0
-  preemptions: int = 0
-  swaps_out: int = 0  # preemptions that copied pages to the host (preemption='swap')
-  swaps_in: int = 0
-  swapped_bytes: int = 0  # bytes copied to the host, summed over swaps
-  allocated_slots: int = 0  # summed over steps and layers: pages held * P
-  used_slots: int = 0  # summed over steps and layers: positions held
-  contiguous_slots: int = 0  # summed over steps and layers: max_len per running request
-
-  @property
-  def paged_waste(self) -> float:
-    """Share of allocated cache slots not holding a position (over all steps)."""
-    return 1 - self.used_slots / max(self.allocated_slots, 1)
-
-  @property
-  def contiguous_waste(self) -> float:
-    """The same for a contiguous cache of max_len slots per running request."""
-    return 1 - self.used_slots / max(self.contiguous_slots, 1)
 
 
 def _buckets(max_batch: int, chunk: int) -> tuple[tuple[int, int, int], ...]:
@@ -146,8 +74,9 @@ _TRACES = [0]  # how often `_step` was traced (= compiled), over every engine
 
 
 def _greedy(logits_BV):
-  """Greedy tokens and their model log-probabilities, as `sample` gives for greedy rows."""
-  tok_B = argmax_last(logits_BV)
+  """Greedy tokens and their model log-probabilities, as `sample` gives for greedy rows
+  (`NON_FINITE` for a row whose logits are not finite)."""
+  tok_B = argmax_or_non_finite(logits_BV)
   lse_B = jax.nn.logsumexp(logits_BV, axis=-1)
   return tok_B, jnp.take_along_axis(logits_BV, tok_B[:, None], axis=-1)[:, 0] - lse_B
 
@@ -159,7 +88,10 @@ def _step(graphdef, state, tokens_BT, cache, last_B, params, position_B, seen_BV
   x_BTD, cache = paged.forward(model, tokens_BT, cache)
   x_B1D = x_BTD.reshape(-1, 1, x_BTD.shape[-1])[last_B]  # last_B: each row's last token
   logits_BV = model.logits(x_B1D)[:, 0]
-  draw = lambda x: sample(x, params, row_keys(params.seed_B, position_B), seen_BV)
+  def draw(x):
+    tok_B, logprob_B = sample(x, params, row_keys(params.seed_B, position_B), seen_BV)
+    return validate.mark_non_finite(tok_B, x), logprob_B
+
   if seen_BV is not None:  # the penalty changes the argmax: the general path
     tok_B, logprob_B = draw(logits_BV)
   else:
@@ -254,41 +186,54 @@ class Engine:
     """Queue a request; returns its id. Raises (this request only) on bad input.
 
     Args:
-      prompt: token ids, or text when the engine has a tokenizer.
+      prompt: token ids (a 1-d list or array of ints in [0, vocab)), or text when the
+        engine has a tokenizer.
       params: sampling parameters (default greedy, 16 tokens).
       request_id: a name for it (default: a counter).
     """
+    seq = self._prepare(prompt, params, request_id)
+    self._queue([seq])
+    return seq.id
+
+  def _prepare(self, prompt, params, request_id, taken=()) -> SeqState:
+    """A checked request, not queued: raises on bad input (`qjax.nn.validate`) or a request
+    that could never fit; `taken` holds ids of requests prepared alongside it."""
     params = SamplingParams(temperature=0.0) if params is None else params
     rid = str(next(self._ids)) if request_id is None else str(request_id)
-    if rid in self._seqs:
+    while request_id is None and (rid in self._seqs or rid in taken):
+      rid = str(next(self._ids))
+    if rid in self._seqs or rid in taken:
       raise ValueError(f'request {rid}: the id is already in use; pass another request_id.')
+    if not isinstance(params, SamplingParams):
+      raise ValueError(f'request {rid}: params={params!r} is a {type(params).__name__}, not a '
+                       'SamplingParams; pass SamplingParams(...) (e.g. '
+                       'SamplingParams(**that_dict)).')
     if isinstance(prompt, str):
       if self.tokenizer is None:
         raise ValueError(f'request {rid}: a text prompt needs Engine(..., tokenizer=).')
       encoded = self.tokenizer.encode(prompt)
       prompt = list(getattr(encoded, 'ids', encoded))  # a `tokenizers` Encoding, or a list
-    prompt = [int(t) for t in prompt]
     vocab = self.model.config.vocab_size
-    if not prompt:
-      raise ValueError(f'request {rid}: the prompt is empty; give at least one token.')
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-      raise ValueError(f'request {rid}: token ids {bad[:5]} are outside the vocabulary of '
-                       f'{vocab}; use ids in [0, {vocab}).')
+    prompt = validate.token_ids(prompt, vocab, f'request {rid}', ndim=1)
     params.check_vocab(vocab)
     if params.stop_strings and self.tokenizer is None:
       raise ValueError(f'request {rid}: stop_strings={params.stop_strings!r} need the output '
                        'text; build the engine with Engine(..., tokenizer=).')
-    seq = SeqState(rid, prompt, params.max_tokens, params)
-    self.scheduler.add(seq)  # raises for a request that can never fit
-    self._seqs[rid] = seq
-    return rid
+    seq = SeqState(rid, np.asarray(prompt).tolist(), params.max_tokens, params)
+    self.scheduler.check(seq)  # raises for a request that can never fit
+    return seq
+
+  def _queue(self, seqs) -> None:
+    for seq in seqs:
+      self.scheduler.add(seq)
+      self._seqs[seq.id] = seq
 
   def _finished(self, seq: SeqState) -> bool:
     text = None
     if seq.params.stop_strings and self.tokenizer is not None:
       text = self.tokenizer.decode(seq.output)
-    return finish_reason(seq.params, seq.output, text) is not None
+    seq.finish_reason = finish_reason(seq.params, seq.output, text)
+    return seq.finish_reason is not None
 
   # ---- stepping ----------------------------------------------------------------------------
   def step(self) -> list[tuple[str, int]]:
@@ -420,11 +365,20 @@ class Engine:
     return self.run()
 
   def _add_all(self, prompts, params) -> list[str]:
+    """Check every request, then queue them all (a bad one queues none)."""
+    if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+      raise ValueError('Engine: prompts must be a list of prompts (token-id lists or texts); '
+                       'for one prompt pass [prompt] (or use add_request).')
     plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(plist) != len(prompts):
       raise ValueError(f'{len(plist)} SamplingParams for {len(prompts)} prompts; give one per '
                        'prompt or a single one.')
-    return [self.add_request(prompt, prm) for prompt, prm in zip(prompts, plist)]
+    seqs, taken = [], set()
+    for prompt, prm in zip(prompts, plist):
+      seqs.append(self._prepare(prompt, prm, None, taken))
+      taken.add(seqs[-1].id)
+    self._queue(seqs)
+    return [seq.id for seq in seqs]
 
   def stream_text(self, prompt: Union[str, Sequence[int]],
                   params: Optional[SamplingParams] = None) -> Iterator[str]:
@@ -455,24 +409,46 @@ class Engine:
       yield from self.step()
 
   def generate(self, prompts: Sequence, params=None) -> list[list[int]]:
-    """The generated tokens of every prompt (in order), running them as one stream."""
+    """The generated tokens of every prompt (in order), running them as one stream.
+
+    Every request is checked before any is queued: a bad one raises and queues none. A
+    request whose logits turn non-finite ends early with finish reason 'error'
+    (`finish_reason`, `error`).
+    """
     ids = self._add_all(prompts, params)
     for _ in self.run():
       pass
     return [self._seqs[i].output for i in ids]
 
+  def _seq(self, request_id) -> SeqState:
+    seq = self._seqs.get(str(request_id))
+    if seq is None:
+      known = sorted(self._seqs)
+      raise KeyError(f'Engine: no request with id {request_id!r}; the ids are those '
+                     f'add_request returned ({len(known)} known: {known[:5]}'
+                     f'{"..." if len(known) > 5 else ""}).')
+    return seq
+
   def output(self, request_id: str) -> list[int]:
     """Tokens generated so far for `request_id`."""
-    return self._seqs[str(request_id)].output
+    return self._seq(request_id).output
+
+  def finish_reason(self, request_id: str) -> Optional[str]:
+    """'stop', 'length', 'error' (non-finite logits: see `error`), or None while it runs."""
+    return self._seq(request_id).finish_reason
+
+  def error(self, request_id: str) -> Optional[str]:
+    """Why `request_id` ended with finish reason 'error', else None."""
+    return self._seq(request_id).error
 
   def prefix_hit_tokens(self, request_id: str) -> int:
     """Prompt positions `request_id` took from the prefix cache when last admitted (0: a
     miss, or no prefix caching); a recompute preemption resets it."""
-    return self._seqs[str(request_id)].prefix_hit_tokens
+    return self._seq(request_id).prefix_hit_tokens
 
   def logprobs(self, request_id: str) -> list[float]:
     """Model log-probabilities of the generated tokens (requests with `logprobs=True`)."""
-    seq = self._seqs[str(request_id)]
+    seq = self._seq(request_id)
     if not seq.params.logprobs:
       raise ValueError(f'request {request_id}: log-probabilities were not requested; pass '
                        'SamplingParams(logprobs=True).')

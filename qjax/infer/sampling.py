@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qjax.nn import generate as nn_generate
+from qjax.nn import validate
 from qjax.nn.attention import kv_format
 from qjax.nn.kvcache import init_cache
 
@@ -93,14 +94,11 @@ class SamplingParams:
       raise bad(f'repetition_penalty={r!r} must be a finite number > 0 (1 is off).')
     if not integer(self.max_tokens) or self.max_tokens < 1:
       raise bad(f'max_tokens={self.max_tokens!r} must be an int >= 1.')
-    object.__setattr__(self, 'stop_tokens', tuple(self.stop_tokens))
-    object.__setattr__(self, 'stop_strings', tuple(self.stop_strings))
-    for tok in self.stop_tokens:
-      if not integer(tok) or tok < 0:
-        raise bad(f'stop_tokens contains {tok!r}; token ids are ints >= 0.')
-    for s in self.stop_strings:
-      if not isinstance(s, str) or not s:
-        raise bad(f'stop_strings contains {s!r}; stop strings are non-empty str.')
+    object.__setattr__(self, 'stop_tokens',
+                       validate.int_tuple(self.stop_tokens, 'stop_tokens', 'SamplingParams'))
+    object.__setattr__(self, 'stop_strings',
+                       validate.string_tuple(self.stop_strings, 'stop_strings',
+                                             'SamplingParams'))
     if not integer(self.seed):
       raise bad(f'seed={self.seed!r} must be an int.')
 
@@ -280,7 +278,8 @@ def sample(logits_BV: jax.Array, params: SamplingBatch, keys_B: jax.Array,
 
 def finish_reason(params: SamplingParams, output_tokens: Sequence[int],
                   output_text: Optional[str] = None) -> Optional[str]:
-  """Host side: why a request is finished, or None while it goes on.
+  """Host side: why a request is finished, or None while it goes on ('error', non-finite
+  logits, is decided by the engine, not here).
 
   Args:
     params: the request's parameters.
@@ -322,7 +321,8 @@ def truncate_at_stop(tokens: Sequence[int], params: SamplingParams) -> list[int]
 
 def _sample_pick(logits_BV, params, position_B, seen_BV):
   tok_B, logprob_B = sample(logits_BV, params, row_keys(params.seed_B, position_B), seen_BV)
-  return tok_B, logprob_B, mark_seen(seen_BV, tok_B)
+  seen_BV = mark_seen(seen_BV, tok_B)
+  return validate.mark_non_finite(tok_B, logits_BV), logprob_B, seen_BV
 
 
 def as_batch(params, batch: int) -> SamplingBatch:
@@ -354,11 +354,15 @@ def sample_generate(model, prompt_BT: jax.Array, params, max_tokens: int):
     (tokens_B(T+max_tokens), logprob_B(max_tokens)): prompt + output, and the model
     log-probability of every output token. Output token i of row b is drawn with
     `row_keys(seed_b, i)`, so a row's tokens do not depend on the rest of the batch.
+
+  Raises:
+    ValueError: bad ids or counts (`qjax.nn.validate`).
+    FloatingPointError: non-finite logits at some step (checked once, after the loop).
   """
   cfg = model.config
+  prompt_BT = validate.token_ids(prompt_BT, cfg.vocab_size, 'sample_generate', ndim=2)
+  max_tokens = validate.count(max_tokens, 'max_tokens', 'sample_generate')
   b, t = prompt_BT.shape
-  if max_tokens < 1:
-    raise ValueError(f'sample_generate: max_tokens={max_tokens} must be >= 1.')
   if t + max_tokens > cfg.max_len:
     raise ValueError(f'sample_generate: a prompt of {t} tokens + {max_tokens} new tokens '
                      f'exceeds config.max_len={cfg.max_len}; shorten one of them.')
@@ -375,4 +379,6 @@ def sample_generate(model, prompt_BT: jax.Array, params, max_tokens: int):
     toks.append(tok_B[:, None])
     logps.append(logprob_B[:, None])
     feed_BT = tok_B[:, None]
-  return jnp.concatenate(toks, axis=1), jnp.concatenate(logps, axis=1)
+  tokens = jnp.concatenate(toks, axis=1)
+  validate.raise_non_finite(tokens, 'sample_generate', start=t)
+  return tokens, jnp.concatenate(logps, axis=1)

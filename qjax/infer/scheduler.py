@@ -4,10 +4,22 @@ Every step each running sequence feeds its next tokens: a decoding one its last 
 token, a prefilling one the next chunk of at most `chunk_size` prompt tokens (chunked
 prefill: a long prompt takes several steps, and decodes run in each of them). Waiting
 requests join when a row is free and the pool has the pages of their first chunk
-(admission by free pages, first come first served); finished ones leave at once. When a
-running sequence needs a page and none is free, the most recently admitted other sequence
-is preempted: its pages are freed and it waits again at the front of the queue with its
-prompt and the tokens generated so far. With `preemption='recompute'` (vLLM's default) it
+(admission by free pages, first come first served); finished ones leave at once.
+
+Priority is arrival order (vLLM's FCFS policy), and it is what makes progress certain. When a
+running sequence needs a page and none is free, the latest-arrived sequence younger than it
+is preempted; with none younger, it preempts itself. A waiting request older than some
+running ones (it was preempted earlier) takes their row or pages back the same way; other
+waiting requests are not admitted in a step that preempted (as in vLLM: they would take the
+pages just freed, or readmit what was just preempted). So the oldest unfinished request is
+never preempted, is running after every `schedule()` and feeds at least one token each step
+(it is grown first and gets the prefill budget first): every request that fits the pool
+alone finishes, and a workload finishes within sum(len(prompt) + max_tokens) steps.
+Preempting by admission order instead let two requests evict each other forever under
+recompute, each readmission making the other one the later admitted.
+
+A preempted sequence waits again, in arrival order, with its prompt and the tokens
+generated so far. With `preemption='recompute'` (vLLM's default) it
 recomputes them when readmitted; with `preemption='swap'` the pages holding its cached
 positions are first copied to host memory (`swap_out`) and written back into fresh pages
 when it is readmitted (`swap_in`), so it resumes where it stopped. Either way its output is
@@ -42,6 +54,9 @@ class Sequence:
     row: the batch row it runs in, or None while waiting.
     prefix_hit_tokens: prompt positions taken from the prefix cache at admission.
     swapped: the host copy of its cached pages while it waits swapped out, else None.
+    arrival: its place in arrival order (set by `Scheduler.add`): the priority.
+    finish_reason: 'stop', 'length' or 'error' once finished, else None.
+    error: why it ended with 'error' (non-finite logits), else None.
   """
 
   id: str
@@ -57,6 +72,9 @@ class Sequence:
   finished: bool = False
   logprobs: list[float] = dataclasses.field(default_factory=list)
   swapped: Any = None
+  arrival: int = -1
+  finish_reason: Optional[str] = None
+  error: Optional[str] = None
 
   @property
   def tokens(self) -> list[int]:
@@ -108,12 +126,19 @@ class Scheduler:
     self.allocator, self.ring_allocator, self.ring_pages = allocator, ring_allocator, ring_pages
     self.prefix_cache = prefix_cache
     self.waiting: collections.deque[Sequence] = collections.deque()
-    self.running: list[Sequence] = []  # in admission order
+    self.running: list[Sequence] = []  # in arrival order
     self.preemptions = 0
+    self._arrivals = 0
 
   # ---- requests ----------------------------------------------------------------------------
   def add(self, seq: Sequence) -> None:
     """Queue `seq`; raises if it could never fit the context or the pool."""
+    self.check(seq)
+    seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+    self.waiting.append(seq)
+
+  def check(self, seq: Sequence) -> None:
+    """Raise if `seq` could never fit the context or the pool (queues nothing)."""
     total = len(seq.prompt) + seq.max_tokens
     if total > self.max_len:
       raise ValueError(f'request {seq.id}: prompt of {len(seq.prompt)} tokens + max_tokens='
@@ -130,7 +155,6 @@ class Scheduler:
     if self.ring_pages and self.ring_allocator.num_pages - 1 < self.ring_pages:
       raise ValueError(f'request {seq.id}: a ring of {self.ring_pages} pages does not fit the '
                        f'ring pool of {self.ring_allocator.num_pages - 1}; build a larger one.')
-    self.waiting.append(seq)
 
   def pages_for(self, positions: int) -> int:
     return -(-positions // self.page_size)
@@ -167,27 +191,37 @@ class Scheduler:
       self.release(seq)
       seq.num_cached = 0  # recompute prompt + output on readmission
       seq.prefix_hit_tokens = 0
-    self.waiting.appendleft(seq)
+    _insert_by_arrival(self.waiting, seq)
     self.preemptions += 1
 
-  def _grow(self, seq: Sequence, n: int) -> bool:
-    """Give `seq` the pages for `n` more positions, preempting later sequences if needed."""
+  def _younger(self, seq: Sequence) -> list[Sequence]:
+    """Running sequences that arrived after `seq` (the ones it may preempt), oldest first."""
+    return [s for s in self.running if s.arrival > seq.arrival]
+
+  def _grow(self, seq: Sequence, n: int, preempt_self: bool) -> bool:
+    """Give running `seq` the pages for `n` more positions, preempting younger sequences
+    (latest-arrived first) if needed. Without them: False, after preempting `seq` itself
+    when `preempt_self`."""
     need = self.pages_for(seq.num_cached + n) - len(seq.pages)
     while need > 0:
       pages = self._take(need)
       if pages is not None:
         seq.pages += pages
         return True
-      victims = [s for s in self.running if s is not seq]
-      if not victims:
-        return False
-      self._preempt(victims[-1])
+      younger = self._younger(seq)
+      if younger:
+        self._preempt(younger[-1])
+        continue
+      if preempt_self:
+        self._preempt(seq)
+      return False
     return True
 
   def reserve(self, seq: Sequence, n: int) -> bool:
     """Pages for `n` more positions of running `seq` (speculative rounds write gamma + 1),
-    preempting later sequences if needed; False if the pool cannot give them."""
-    return self._grow(seq, n)
+    preempting younger sequences if needed; False (and `seq` kept, unchanged) if it is not
+    running or the pool cannot give them."""
+    return seq in self.running and self._grow(seq, n, preempt_self=False)
 
   def _admit(self, seq: Sequence, row: int) -> bool:
     if seq.swapped is not None:
@@ -214,7 +248,7 @@ class Scheduler:
       seq.num_cached = seq.prefix_hit_tokens = 0
       return False
     seq.pages, seq.ring_pages, seq.row = hit + pages, ring, row
-    self.running.append(seq)
+    _insert_by_arrival(self.running, seq)
     return True
 
   def _swap_back(self, seq: Sequence, row: int) -> bool:
@@ -234,14 +268,14 @@ class Scheduler:
     self.swap_in(seq, seq.swapped)
     seq.swapped = None
     self.swaps_in += 1
-    self.running.append(seq)
+    _insert_by_arrival(self.running, seq)
     return True
 
   # ---- steps -------------------------------------------------------------------------------
   def _feeds(self) -> dict[int, int]:
     """Tokens each running sequence feeds this step (by id(seq)): a decode its 1, a
     prefilling one a chunk, within `prefill_budget` prompt tokens over all of them in
-    admission order (those past it feed nothing this step and keep their row)."""
+    arrival order (those past it feed nothing this step and keep their row)."""
     budget = self.prefill_budget
     feeds = {}
     for seq in self.running:
@@ -253,19 +287,26 @@ class Scheduler:
     return feeds
 
   def schedule(self) -> StepPlan:
-    """The next step: running sequences first (in admission order), then admissions."""
-    feeds = self._feeds()
+    """The next step: running sequences first (in arrival order), then admissions."""
+    feeds, before = self._feeds(), self.preemptions
     for seq in list(self.running):
-      if seq in self.running and feeds[id(seq)] and not self._grow(seq, feeds[id(seq)]):
-        raise RuntimeError(f'request {seq.id}: the pool cannot hold it even alone (checked '
-                           'at add); this is a scheduler bug.')
-    used = {s.row for s in self.running}
-    free_rows = [r for r in range(self.max_batch) if r not in used]
-    while self.waiting and free_rows:
-      if not self._admit(self.waiting[0], free_rows[0]):
+      if seq in self.running and feeds[id(seq)] and not self._grow(seq, feeds[id(seq)], True):
+        if not any(s.arrival < seq.arrival for s in self.running):  # it ran alone
+          raise RuntimeError(f'request {seq.id}: the pool cannot hold it even alone (checked '
+                             'at add); this is a scheduler bug.')
+    while self.waiting:
+      head = self.waiting[0]
+      younger = self._younger(head)
+      if self.preemptions > before and not younger:
+        break  # as vLLM: no plain admission in a step that preempted (it would readmit them)
+      used = {s.row for s in self.running}
+      free_rows = [r for r in range(self.max_batch) if r not in used]
+      if free_rows and self._admit(head, free_rows[0]):
+        self.waiting.popleft()
+        continue
+      if not younger:
         break  # FCFS: later requests wait behind the head
-      self.waiting.popleft()
-      free_rows.pop(0)
+      self._preempt(younger[-1])  # an older request takes its row or pages back
     rows: list[Optional[Sequence]] = [None] * self.max_batch
     num_new = [0] * self.max_batch
     feeds = self._feeds()  # admissions and preemptions above changed who runs
@@ -276,12 +317,22 @@ class Scheduler:
       num_new[seq.row] = min(feeds[id(seq)], len(seq.pages) * self.page_size - seq.num_cached)
     return StepPlan(rows, num_new)
 
+  def fail(self, seq: Sequence) -> None:
+    """End running `seq` with finish reason 'error': its logits were not finite."""
+    seq.finished, seq.finish_reason = True, 'error'
+    seq.error = (f'request {seq.id}: the logits for output token {len(seq.output)} are not '
+                 'finite (NaN or inf), so no token was chosen; check the weights for NaN/inf '
+                 'or compute in float32.')
+    self.release(seq)
+
   def complete(self, plan: StepPlan, tokens: list[int], finished) -> list[tuple[str, int]]:
     """Apply a step's results: positions cached, sampled tokens appended, finished released.
 
     Args:
       plan: the step's plan.
-      tokens: the token sampled in each row (ignored for rows still prefilling).
+      tokens: the token sampled in each row (ignored for rows still prefilling);
+        `NON_FINITE` (-1) where the row's logits were not finite: that request ends with
+        finish reason 'error' and no token.
       finished: `finished(seq) -> bool` after a token is appended.
 
     Returns:
@@ -295,10 +346,18 @@ class Scheduler:
       if self.prefix_cache is not None and not seq.output:
         done = min(seq.num_cached, len(seq.prompt))
         self.prefix_cache.insert(seq.prompt[:done], seq.pages)
-      if seq.num_pending == 0:  # the whole sequence is cached: this row sampled a token
+      if seq.num_pending == 0 and int(tokens[row]) < 0:  # NON_FINITE: no token to give
+        self.fail(seq)
+      elif seq.num_pending == 0:  # the whole sequence is cached: this row sampled a token
         seq.output.append(int(tokens[row]))
         events.append((seq.id, int(tokens[row])))
         if finished(seq):
           seq.finished = True
           self.release(seq)
     return events
+
+
+def _insert_by_arrival(queue, seq: Sequence) -> None:
+  """Insert `seq` into `queue` (a list or deque kept in arrival order) at its place."""
+  at = next((i for i, s in enumerate(queue) if s.arrival > seq.arrival), len(queue))
+  queue.insert(at, seq)

@@ -38,6 +38,7 @@ from qjax.infer import page_host, paged, speculative_core
 from qjax.infer.engine import Engine, EngineConfig
 from qjax.infer.sampling import SamplingBatch, SamplingParams, processed_logits, row_keys
 from qjax.infer.speculative import _ACCEPT, _DRAFT, _FINAL, SpecStats, check_compatible
+from qjax.nn import validate
 from qjax.nn.attention import kv_format
 
 
@@ -55,23 +56,30 @@ def _round(tgraph, tstate, dgraph, dstate, gamma, tcache, dcache, cur_B, gen_B, 
   def draft_step(carry, i):
     dcache, tok_B = carry
     x_B1D, dcache = paged.forward(draft, tok_B[:, None], dcache)
-    q_logp_BV = processed_logits(draft.logits(x_B1D)[:, 0], params)
+    logits_BV = draft.logits(x_B1D)[:, 0]
+    q_logp_BV = processed_logits(logits_BV, params)
     keys_B = row_keys(params.seed_B, gen_B + i, _DRAFT)
     new_B = jax.vmap(jax.random.categorical)(keys_B, q_logp_BV).astype(jnp.int32)
-    return (dcache, new_B), (new_B, q_logp_BV)
+    return (dcache, new_B), (new_B, q_logp_BV, validate.finite_rows(logits_BV))
 
-  (dcache, _), (d_XB, q_XBV) = jax.lax.scan(draft_step, (dcache, cur_B),
-                                            jnp.arange(gamma + 1))
+  (dcache, _), (d_XB, q_XBV, finite_XB) = jax.lax.scan(draft_step, (dcache, cur_B),
+                                                       jnp.arange(gamma + 1))
   draft_BG = d_XB[:gamma].swapaxes(0, 1)
   q_BGV = q_XBV[:gamma].swapaxes(0, 1)
   x_BXD, tcache = paged.forward(target, jnp.concatenate([cur_B[:, None], draft_BG], 1), tcache)
   b, x = x_BXD.shape[:2]
-  p_BXV = processed_logits(target.logits(x_BXD).reshape(b * x, -1),
+  logits_BXV = target.logits(x_BXD)
+  # Non-finite target or draft logits: the row's first token is NON_FINITE (the request ends
+  # with 'error'), never a draw from NaN.
+  finite_B = validate.finite_rows(logits_BXV.reshape(b, -1)) & jnp.all(finite_XB, axis=0)
+  p_BXV = processed_logits(logits_BXV.reshape(b * x, -1),
                            jax.tree.map(lambda a: jnp.repeat(a, x), params)).reshape(b, x, -1)
   uniform_BG = jax.vmap(lambda k: jax.random.uniform(k, (gamma,)))(
       row_keys(params.seed_B, gen_B, _ACCEPT))
   num_acc_B, tokens_BX, beta_BG = speculative_core.verify(
       p_BXV, q_BGV, draft_BG, uniform_BG, row_keys(params.seed_B, gen_B, _FINAL))
+  num_acc_B = jnp.where(finite_B, num_acc_B, 0)
+  tokens_BX = tokens_BX.at[:, 0].set(jnp.where(finite_B, tokens_BX[:, 0], validate.NON_FINITE))
   return num_acc_B, tokens_BX, beta_BG, tcache, dcache
 
 
@@ -109,12 +117,13 @@ class SpeculativeEngine(Engine):
     """Acceptance statistics of the rounds so far (row-rounds; plain steps not counted)."""
     return SpecStats(gamma=self.gamma, **self._counts)
 
-  def add_request(self, prompt, params=None, request_id=None) -> str:
-    if params is not None and params.repetition_penalty != 1:
-      raise ValueError(f'SpeculativeEngine: repetition_penalty={params.repetition_penalty} '
-                       "is not supported (the penalised distribution would depend on the "
+  def _prepare(self, prompt, params, request_id, taken=()):
+    seq = super()._prepare(prompt, params, request_id, taken)
+    if seq.params.repetition_penalty != 1:
+      raise ValueError(f'SpeculativeEngine: repetition_penalty={seq.params.repetition_penalty}'
+                       " is not supported (the penalised distribution would depend on the "
                        "round's draft tokens); use 1.0.")
-    return super().add_request(prompt, params, request_id)
+    return seq
 
   def _feed_draft(self, tokens_N1, layout: dict) -> None:
     no_ring = np.zeros((len(layout['length']), 0))  # the draft's pools have no ring layers
@@ -162,6 +171,9 @@ class SpeculativeEngine(Engine):
       if seq is None:
         continue
       n = int(num_acc[row])
+      if tokens[row, 0] < 0:  # non-finite logits: end it as the plain step does
+        self.scheduler.fail(seq)
+        continue
       c = self._counts
       c['rounds'] += 1
       c['tokens'] += n + 1

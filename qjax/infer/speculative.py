@@ -44,6 +44,7 @@ from qjax.infer import speculative_core
 from qjax.infer.sampling import SamplingParams, as_batch, processed_logits, row_keys
 from qjax.nn import kvcache
 from qjax.nn.attention import kv_format
+from qjax.nn import validate
 from qjax.nn.generate import logits_step
 from qjax.nn.transformer import Transformer
 
@@ -236,6 +237,11 @@ def _round(tgraph, tstate, dgraph, dstate, gamma, params, state):
       has_pending_B=jnp.where(live_B, full_B, has_pend_B),
       gen_B=new_gen_B, out_BN=out_BN,
       done_B=done_B | (live_B & ((new_gen_B >= state['max_B']) | stop_hit_B)))
+  # A non-finite logit (target or draft) makes the round's tokens meaningless: flag the row.
+  finite_B = (validate.finite_rows(logits_BXV.reshape(b, -1)) &
+              validate.finite_rows(logits_BV))
+  new_state['bad_B'] = state['bad_B'] | (live_B & ~finite_B)
+  new_state['done_B'] = new_state['done_B'] | new_state['bad_B']
   reached_BG = (jnp.arange(gamma)[None] <= num_acc_B[:, None]) & live_B[:, None]
   accepted_BG = (jnp.arange(gamma)[None] < num_acc_B[:, None]) & live_B[:, None]
   stats = dict(rounds=jnp.sum(live_B), tokens=jnp.sum(jnp.where(live_B, num_new_B, 0)),
@@ -275,13 +281,10 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
     `SpecStats`.
   """
   check_compatible(target, draft, gamma, target_tokenizer, draft_tokenizer)
-  if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \
-      or max_tokens < 1:
-    raise ValueError(f'speculative_generate: max_tokens={max_tokens!r} must be an int >= 1.')
-  prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+  max_tokens = validate.count(max_tokens, 'max_tokens', 'speculative_generate')
+  prompt_BT = jnp.asarray(validate.token_ids(prompt_BT, target.config.vocab_size,
+                                             'speculative_generate', ndim=2), jnp.int32)
   b, t = prompt_BT.shape
-  if t < 1:
-    raise ValueError('speculative_generate: the prompt is empty; give at least one token.')
   params = SamplingParams(temperature=0.0) if params is None else params
   plist = [params] * b if isinstance(params, SamplingParams) else list(params)
   for p in plist:
@@ -310,6 +313,7 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
   zeros_B = lambda dtype=jnp.int32: jnp.zeros((b,), dtype)  # distinct buffers (donated)
   state = dict(tcache=tcache, dcache=dcache, cur_B=prompt_BT[:, -1], pending_B=zeros_B(),
                has_pending_B=zeros_B(bool), gen_B=zeros_B(), done_B=zeros_B(bool),
+               bad_B=zeros_B(bool),
                out_BN=jnp.zeros((b, max_tokens + gamma + 1), jnp.int32),
                max_B=jnp.full((b,), max_tokens, jnp.int32), stop_BS=jnp.asarray(stop_BS))
   tgraph, tstate = nnx.split(target)
@@ -321,6 +325,12 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
     totals = stats if totals is None else jax.tree.map(np.add, totals, stats)
     if bool(np.all(jax.device_get(state['done_B']))):
       break
+  bad_B = np.asarray(state['bad_B'])
+  if bad_B.any():
+    raise FloatingPointError(
+        f'speculative_generate: the target or draft logits of row {int(np.argmax(bad_B))} '
+        'are not finite (NaN or inf), so no token can be chosen; check both models\' weights '
+        'for NaN/inf (e.g. jnp.isfinite on every parameter).')
   out_BN = np.asarray(state['out_BN'])[:, :max_tokens]
   for i, p in enumerate(plist):  # after a stop token, repeat it (rows keep a fixed width)
     hits = np.flatnonzero(np.isin(out_BN[i], p.stop_tokens)) if p.stop_tokens else []

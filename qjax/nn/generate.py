@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from qjax.nn import kvcache
+from qjax.nn import validate
 from qjax.nn.attention import kv_format
 from qjax.nn.kvcache import KVCache
 
@@ -197,7 +198,8 @@ def _fed_positions(cache, width: int, num_real):
 
 
 def _last_logits(model, tokens_BT, cache, num_real):
-  """`model(tokens_BT[:, :num_real], cache=cache)` with the head on the last real position.
+  """`model(tokens_BT[:, :num_real], cache=cache)` with the head on the last real position;
+  NaN logits for a row fed an id outside the vocabulary (`qjax.nn.validate`).
 
   A prefill of T tokens otherwise computes T x V logits to keep one row (Gemma: 512 x 262k,
   a 512 MiB buffer and ~2/3 of the prefill's FLOPs). The checks `Transformer.__call__` makes
@@ -206,6 +208,9 @@ def _last_logits(model, tokens_BT, cache, num_real):
   positions_BT = _fed_positions(cache, tokens_BT.shape[1], num_real)
   x_BTD, cache = model.blocks(model.embed_tokens(tokens_BT), positions_BT, cache)
   x_B1D = jax.lax.dynamic_slice_in_dim(x_BTD, num_real - 1, 1, axis=1)
+  # Poisoning the (B, 1, D) hidden state, not the (B, V) logits: no extra pass over V.
+  ok_B = validate.ids_in_range(tokens_BT, model.config.vocab_size, num_real)
+  x_B1D = validate.poison_rows(x_B1D, ok_B)
   return model.logits(x_B1D)[:, 0], kvcache.advance(cache, num_real)
 
 
@@ -232,11 +237,23 @@ def argmax_last(x_BV: jax.Array) -> jax.Array:
   `jnp.argmax` (the first NaN wins; only a row holding both +inf and NaN can differ: the
   first of either).
   """
+  return _argmax_top(x_BV)[0]
+
+
+def _argmax_top(x_BV: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(`argmax_last`, the max with NaN counted as +inf), one pass over V."""
   v = x_BV.shape[-1]
   key = jnp.where(jnp.isnan(x_BV), jnp.inf, x_BV)
   top = jnp.max(key, axis=-1, keepdims=True)
   iota = lax.broadcasted_iota(jnp.int32, x_BV.shape, x_BV.ndim - 1)
-  return jnp.min(jnp.where(key == top, iota, v), axis=-1)
+  return jnp.min(jnp.where(key == top, iota, v), axis=-1), top[..., 0]
+
+
+def argmax_or_non_finite(x_BV: jax.Array) -> jax.Array:
+  """`argmax_last`, or `validate.NON_FINITE` (-1) for a row holding NaN or +inf (or all
+  -inf), from the same reduction (no extra pass over the vocabulary)."""
+  idx_B, top_B = _argmax_top(x_BV)
+  return jnp.where(jnp.isfinite(top_B), idx_B, validate.NON_FINITE)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
@@ -244,7 +261,7 @@ def _greedy_step(graphdef, state, tokens_BT, num_real, cache):
   _TRACES['greedy'] += 1
   model = nnx.merge(getattr(graphdef, 'graphdef', graphdef), state)
   logits_BV, cache = _last_logits(model, tokens_BT, cache, num_real)
-  return argmax_last(logits_BV).astype(tokens_BT.dtype), cache
+  return argmax_or_non_finite(logits_BV).astype(tokens_BT.dtype), cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=4)
@@ -261,7 +278,8 @@ def _logits_step(graphdef, state, tokens_BT, num_real, cache):
   model = nnx.merge(getattr(graphdef, 'graphdef', graphdef), state)
   positions_BT = _fed_positions(cache, tokens_BT.shape[1], num_real)
   x_BTD, cache = model.blocks(model.embed_tokens(tokens_BT), positions_BT, cache)
-  return model.logits(x_BTD), kvcache.advance(cache, num_real)
+  ok_B = validate.ids_in_range(tokens_BT, model.config.vocab_size, num_real)
+  return model.logits(validate.poison_rows(x_BTD, ok_B)), kvcache.advance(cache, num_real)
 
 
 def _padded_run(model, tokens_BT, cache, buckets, what: str, run: Callable):
@@ -272,6 +290,9 @@ def _padded_run(model, tokens_BT, cache, buckets, what: str, run: Callable):
   length on, and must not run past max_len); otherwise the call runs unpadded.
   """
   buckets = _check_buckets(buckets, what)
+  # Host ids are checked here; device ids by dtype here and by value inside the step.
+  tokens_BT = validate.token_ids(tokens_BT, model.config.vocab_size, what, ndim=2,
+                                 check_values=False)
   t = tokens_BT.shape[1]
   width = bucket_length(t, buckets)
   if width > t and isinstance(cache, KVCache):
@@ -305,7 +326,8 @@ def decode_step(model: nnx.Module, tokens_BT: jax.Array, cache: KVCache,
       compiles once per bucket: None = powers of two, a list of lengths, () = no padding.
 
   Returns:
-    (out, cache): what `pick` returned, and the cache advanced by T.
+    (out, cache): what `pick` returned, and the cache advanced by T. A row fed an id outside
+    [0, V) reaches `pick` with NaN logits (`qjax.nn.validate`).
   """
   return _padded_run(model, tokens_BT, cache, buckets, 'decode_step', lambda g, s, x, n:
                      _pick_step(g, s, x, n, cache, pick, pick_args))
@@ -317,9 +339,9 @@ def logits_step(model: nnx.Module, tokens_BT: jax.Array, cache: KVCache, *,
 
   The cache passed in is donated (its buffers are reused); use the returned one. `buckets`
   as `decode_step`, but off by default: a verifier feeds a fixed T, where padding only adds
-  work.
+  work. A row fed an id outside [0, V) gets NaN logits (`qjax.nn.validate`).
   """
-  t = tokens_BT.shape[1]
+  t = np.shape(tokens_BT)[1] if np.ndim(tokens_BT) == 2 else 0
   logits_BTV, cache = _padded_run(model, tokens_BT, cache, buckets, 'logits_step',
                                   lambda g, s, x, n: _logits_step(g, s, x, n, cache))
   return (logits_BTV if logits_BTV.shape[1] == t else logits_BTV[:, :t]), cache
@@ -332,6 +354,8 @@ def greedy_step(model: nnx.Module, tokens_BT: jax.Array, cache: KVCache, *,
   The cache passed in is donated (its buffers are reused); use the returned one. A step that
   would write past the cache's max_len raises here, on the host, naming the row. A prompt
   (T > 1) is padded to its bucket (`decode_step`'s `buckets`): one compile per bucket.
+  A row whose logits are not finite (NaN weights, an overflow, an id outside [0, V) fed on
+  the device) gets the token `validate.NON_FINITE` (-1), never an argmax of NaN.
   """
   return _padded_run(model, tokens_BT, cache, buckets, 'greedy_step',
                      lambda g, s, x, n: _greedy_step(g, s, x, n, cache))
@@ -352,18 +376,22 @@ def greedy_generate(model: nnx.Module, prompt_BT: jax.Array, num_steps: int, *,
   Returns:
     tokens of shape (B, T + num_steps): the prompt followed by the generated tokens.
 
+  Raises:
+    ValueError: bad ids (`qjax.nn.validate.token_ids`: read once, on the host) or counts.
+    FloatingPointError: non-finite logits at some step (read once, after the loop).
+
   The cache stores K/V in the model's KV format (`kv_format(model)`; float when it has none).
   """
   cfg = model.config
+  prompt_BT = validate.token_ids(prompt_BT, cfg.vocab_size, 'greedy_generate', ndim=2)
+  num_steps = validate.count(num_steps, 'num_steps', 'greedy_generate', minimum=0)
   b, t = prompt_BT.shape
-  if num_steps < 0:
-    raise ValueError(f'greedy_generate: num_steps={num_steps} must be >= 0.')
   if t + num_steps > cfg.max_len:
     raise ValueError(f'greedy_generate: a prompt of {t} tokens + {num_steps} steps = '
                      f'{t + num_steps} exceeds config.max_len={cfg.max_len}; shorten the '
                      'prompt or generate fewer tokens.')
   if num_steps == 0:
-    return prompt_BT
+    return jnp.asarray(prompt_BT)
   buckets = _check_buckets(buckets, 'greedy_generate')
   size = min(cfg.max_len, max(t + num_steps, bucket_length(t + num_steps, buckets)))
   cache = kvcache.init_cache(cfg, b, size, fmt=kv_format(model))
@@ -376,4 +404,6 @@ def greedy_generate(model: nnx.Module, prompt_BT: jax.Array, num_steps: int, *,
   for _ in range(num_steps - 1):
     tok_B, cache = _greedy_step(graphdef, state, tok_B[:, None], one, cache)
     out.append(tok_B[:, None])
-  return jnp.concatenate(out, axis=1)
+  out = jnp.concatenate(out, axis=1)
+  validate.raise_non_finite(out, 'greedy_generate', start=t)
+  return out

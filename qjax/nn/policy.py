@@ -58,6 +58,16 @@ class QuantRule:
   granularity: str = 'channel'
 
   def __post_init__(self):
+    if not isinstance(self.pattern, str):
+      raise ValueError(f'QuantRule: pattern={self.pattern!r} must be a regex string over module '
+                       "paths, e.g. QuantRule('.*', int_format(8)) or "
+                       "QuantRule(r'layers/\\d+/mlp/.*', int_format(4, group_size=128)).")
+    for name in ('weight', 'act'):
+      fmt = getattr(self, name)
+      if fmt is not None and not isinstance(fmt, QFormat):
+        hint = _format_hint(fmt)
+        raise ValueError(f'QuantRule({self.pattern!r}): {name}={fmt!r} is a '
+                         f'{type(fmt).__name__}, not a QFormat; pass {name}={hint}.')
     try:
       re.compile(self.pattern)
     except re.error as e:
@@ -105,13 +115,38 @@ class QuantPolicy:
   path: str = 'auto'
 
   def __post_init__(self):
+    if isinstance(self.rules, QuantRule):
+      raise ValueError('QuantPolicy: rules is one QuantRule; pass a tuple of them: '
+                       'QuantPolicy((rule,)).')
+    if isinstance(self.rules, str):
+      raise ValueError(f'QuantPolicy: rules={self.rules!r} is a string; pass a tuple of '
+                       f"QuantRule, e.g. QuantPolicy((QuantRule({self.rules!r}, "
+                       'int_format(8)),)).')
     object.__setattr__(self, 'rules', tuple(self.rules))
+    for i, rule in enumerate(self.rules):
+      if not isinstance(rule, QuantRule):
+        example = (f'QuantRule({rule!r}, int_format(8))' if isinstance(rule, str) else
+                   "QuantRule('.*', int_format(8))")
+        raise ValueError(f'QuantPolicy: rules[{i}]={rule!r} is a {type(rule).__name__}, not a '
+                         f'QuantRule; write {example}.')
     if self.path not in PATHS:
       raise ValueError(f'QuantPolicy: path={self.path!r} is unknown; use one of {PATHS}.')
 
   def match(self, path: str) -> tuple[Optional[int], Optional[QuantRule]]:
     """(index, rule) of the first rule matching `path`, or (None, None)."""
     return match_rules(self.rules, [path])[0][0]
+
+
+def _format_hint(value) -> str:
+  """The QFormat call a format name like 'int4' or 'fp8_e4m3' stands for (for messages)."""
+  m = re.fullmatch(r'int(\d)(?:[-_]?g(\d+))?', str(value).lower())
+  if m:
+    group = f', group_size={m.group(2)}' if m.group(2) else ''
+    return f'int_format({m.group(1)}{group})'
+  m = re.fullmatch(r'fp8[-_]?(e4m3|e5m2)', str(value).lower())
+  if m:
+    return f"fp8_format('{m.group(1)}')"
+  return 'int_format(8) (or int_format(4, group_size=128), fp8_format())'
 
 
 def resolve_format(rule: QuantRule, layer: Einsum, path: str, compute: str = 'auto') -> QFormat:

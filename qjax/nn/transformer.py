@@ -30,6 +30,7 @@ from flax import nnx
 from qjax.nn import axes
 from qjax.nn import kvcache
 from qjax.nn import shard_hooks
+from qjax.nn import validate
 from qjax.nn.attention import Attention, softcap
 from qjax.nn.config import TransformerConfig
 from qjax.nn.layers import Einsum, Embed, RMSNorm
@@ -38,33 +39,13 @@ from qjax.nn.layers import Einsum, Embed, RMSNorm
 def check_token_ids(tokens_BT, vocab_size: int) -> None:
   """Refuse token ids outside [0, vocab_size) (and non-integer ids) at the model's boundary.
 
-  Only concrete ids are checked. Under `jax.jit` the values are unknown and JAX's gather
-  rules apply: a negative id wraps (-1 reads row V-1) and an id >= V is clamped to row V-1,
-  silently. Check ids on the host before a jitted loop (this function, on the prompt) when
-  they come from outside the tokenizer.
-
-  Args:
-    tokens_BT: token ids (any shape).
-    vocab_size: V.
+  Only concrete ids are checked (`qjax.nn.validate.token_ids`, whose docstring states the
+  contract under `jax.jit`; `validate.checked_forward` is the checked jitted variant).
 
   Raises:
     ValueError: a float dtype, or an id < 0 or >= V (names the first one and its index).
   """
-  dtype = getattr(tokens_BT, 'dtype', None)
-  if dtype is not None and not jnp.issubdtype(dtype, jnp.integer):
-    raise ValueError(f'Transformer: token ids must be integers, got dtype {dtype}; pass the '
-                     "tokenizer's int ids (e.g. .astype(jnp.int32)).")
-  if isinstance(tokens_BT, jax.core.Tracer):
-    return
-  ids = np.asarray(tokens_BT)
-  if ids.size == 0:
-    return
-  bad = (ids < 0) | (ids >= vocab_size)
-  if bad.any():
-    i = tuple(int(j) for j in np.argwhere(bad)[0])
-    raise ValueError(f'Transformer: token id {int(ids[i])} at index {i} is outside the '
-                     f'vocabulary [0, {vocab_size}); {int(bad.sum())} id(s) are. Use the '
-                     "model's tokenizer (ids < config.vocab_size).")
+  validate.token_ids(tokens_BT, vocab_size, 'Transformer')
 
 
 class MLP(nnx.Module):
@@ -149,6 +130,8 @@ class Transformer(nnx.Module):
     cfg = self.config
     check_token_ids(tokens_BT, cfg.vocab_size)
     x_BTD = self.embed.lookup(tokens_BT, cfg.compute_dtype)
+    if isinstance(tokens_BT, jax.core.Tracer):  # unknown ids: NaN for a bad one, not a clamp
+      x_BTD = validate.poison_ids(x_BTD, tokens_BT, cfg.vocab_size)
     if cfg.embed_scale:
       x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, cfg.compute_dtype)
     return x_BTD

@@ -131,7 +131,8 @@ def test_bad_requests_are_refused_and_others_unaffected(model):
     engine.add_request([1] * 38, SamplingParams(max_tokens=10))
   with pytest.raises(ValueError, match='the prompt is empty'):
     engine.add_request([])
-  with pytest.raises(ValueError, match='token ids \\[256, -1\\] are outside the vocabulary'):
+  with pytest.raises(ValueError, match=r'token id 256 at index \(1,\) is outside the '
+                                       r'vocabulary \[0, 256\); 2 id'):
     engine.add_request([3, 256, -1])
   with pytest.raises(ValueError, match='max_tokens=0 must be an int >= 1'):
     engine.add_request([3], SamplingParams(max_tokens=0))

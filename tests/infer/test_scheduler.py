@@ -42,8 +42,11 @@ def test_admission_waits_for_free_pages_then_preempts_the_latest():
   assert plan.rows[0] is first and plan.rows[1] is second  # 2 + 2 pages
   while s.preemptions == 0:
     plan = _run_step(s)
-  # Growing past 6 pages evicted the later request; readmitted into the 2 pages left, it
-  # recomputes its prompt and its output so far from position 0, a chunk at a time.
+  # Growing past 6 pages evicted the later request; as in vLLM, a step that preempts admits
+  # nothing, so it is readmitted the step after, into the 2 pages left, and recomputes its
+  # prompt and its output so far from position 0, a chunk at a time.
+  assert second not in plan.rows and second.num_cached == 0
+  plan = _run_step(s)
   assert second.num_cached == 8 and len(second.output) > 0
   assert plan.num_new[plan.rows.index(second)] == 8
   while s.has_work:

@@ -1,0 +1,90 @@
+"""The serving engine's settings (`EngineConfig`, checked on construction) and counters
+(`EngineStats`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from qjax.infer.scheduler import PREEMPTION_MODES
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """How the engine batches and stores the cache.
+
+  Attributes:
+    max_batch: rows of every step (B).
+    page_size: positions per page (P).
+    num_pages: pages per full-attention layer pool, the sink page included.
+    chunk_size: most prompt tokens a sequence feeds per step (chunked prefill).
+    max_len: longest prompt + output (default: the model's `config.max_len`). Every row's
+      block table covers it and attention visits every table entry, so keep it near the
+      longest request (Gemma's 32k context would scan 2048 pages of 16 per layer).
+    kv_format: None (the model's `kv_format`, float when it has none) or a KV format name.
+    prefix_caching: share full pages of identical prompt prefixes.
+    ring: sliding-window layers keep a ring of pages (off with prefix caching).
+    preemption: 'recompute' (a preempted request recomputes its prompt and output when
+      readmitted) or 'swap' (its cached pages are copied to host memory and restored).
+    prefill_budget: most prompt tokens fed per step over all sequences (vLLM's token budget
+      of chunked prefill), or None: every prefilling sequence feeds a chunk each step. With
+      `chunk_size`, every step fits the bucket of decodes beside one chunk.
+  """
+
+  max_batch: int = 4
+  page_size: int = 16
+  num_pages: int = 64
+  chunk_size: int = 32
+  max_len: Optional[int] = None
+  kv_format: Optional[str] = None
+  prefix_caching: bool = False
+  ring: bool = True
+  preemption: str = 'recompute'
+  prefill_budget: Optional[int] = None
+
+  def __post_init__(self):
+    if self.preemption not in PREEMPTION_MODES:
+      raise ValueError(f'EngineConfig: preemption={self.preemption!r} is unknown; use one of '
+                       f'{PREEMPTION_MODES}.')
+    for name in ('max_batch', 'page_size', 'num_pages', 'chunk_size'):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f'EngineConfig: {name}={v!r} must be a positive integer.')
+    if self.num_pages < 2:
+      raise ValueError(f'EngineConfig: num_pages={self.num_pages} leaves no page for a '
+                       'sequence (page 0 is the sink); use at least 2.')
+    if self.max_len is not None and (not isinstance(self.max_len, int) or
+                                     isinstance(self.max_len, bool) or self.max_len < 1):
+      raise ValueError(f'EngineConfig: max_len={self.max_len!r} must be a positive integer '
+                       "(the longest prompt + output) or None (the model's config.max_len).")
+    if self.prefill_budget is not None and (not isinstance(self.prefill_budget, int)
+                                            or self.prefill_budget < 1):
+      raise ValueError(f'EngineConfig: prefill_budget={self.prefill_budget!r} must be a '
+                       'positive integer (prompt tokens per step) or None (no budget).')
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters of one engine (host side); `waste` entries are per step."""
+  steps: int = 0
+  prefill_tokens: int = 0  # prompt (and recomputed) positions computed
+  decode_tokens: int = 0
+  compilations: int = 0
+  prefix_hit_tokens: int = 0
+  preemptions: int = 0
+  swaps_out: int = 0  # preemptions that copied pages to the host (preemption='swap')
+  swaps_in: int = 0
+  swapped_bytes: int = 0  # bytes copied to the host, summed over swaps
+  allocated_slots: int = 0  # summed over steps and layers: pages held * P
+  used_slots: int = 0  # summed over steps and layers: positions held
+  contiguous_slots: int = 0  # summed over steps and layers: max_len per running request
+
+  @property
+  def paged_waste(self) -> float:
+    """Share of allocated cache slots not holding a position (over all steps)."""
+    return 1 - self.used_slots / max(self.allocated_slots, 1)
+
+  @property
+  def contiguous_waste(self) -> float:
+    """The same for a contiguous cache of max_len slots per running request."""
+    return 1 - self.used_slots / max(self.contiguous_slots, 1)
