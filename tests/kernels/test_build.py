@@ -1,0 +1,130 @@
+"""The kernel's build cache (qjax.kernels._build) and the loader's instruction-set check."""
+
+import ctypes
+import json
+import logging
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+import qjax
+from qjax import kernels
+from qjax.kernels import _build
+
+AVX2_CPU = frozenset(_build.ISAS['avx2'][0])  # an AVX2 + FMA machine without AVX-512
+CAN_BUILD = (_build.best_isa(kernels.cpu_flags()) is not None and
+             _build.compiler() is not None)
+
+
+def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
+  monkeypatch.setenv('QJAX_KERNEL_CACHE', str(tmp_path / 'k'))
+  assert _build.cache_root() == tmp_path / 'k'
+  monkeypatch.delenv('QJAX_KERNEL_CACHE')
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'xdg'))
+  assert _build.cache_root() == tmp_path / 'xdg' / 'qjax' / 'kernels'
+
+
+def test_isa_levels_and_missing_flags():
+  assert _build.best_isa(None) is None
+  assert _build.best_isa(frozenset({'sse4_2', 'avx'})) is None  # no AVX2 + FMA: no kernel
+  assert _build.best_isa(AVX2_CPU) == 'avx2'
+  avx512 = AVX2_CPU | set(_build.ISAS['avx512'][0])
+  assert _build.best_isa(avx512) == 'avx512'
+  assert _build.best_isa(avx512 | {'avx512_bf16'}) == 'avx512_bf16'
+  manifest = {'cpu_flags': list(_build.ISAS['avx512'][0])}
+  assert 'avx512_vnni' in _build.missing_flags(manifest, AVX2_CPU)
+  assert _build.missing_flags(manifest, avx512) == []
+  assert _build.missing_flags({}, avx512) == ['(no recorded ISA)']  # no record: never load
+
+
+def test_key_changes_with_isa_compiler_and_sources(monkeypatch):
+  a, facts = _build.build_key('avx2', '/usr/bin/g++')
+  assert a.startswith(f'avx2-jax{jax.__version__}-') and facts['cpu_flags'] == ['avx2', 'fma']
+  assert _build.build_key('avx2', '/usr/bin/g++')[0] == a
+  assert _build.build_key('avx512', '/usr/bin/g++')[0] != a
+  assert _build.build_key('avx2', '/usr/bin/clang++')[0] != a
+  monkeypatch.setattr(_build, '_sources_sha256', lambda: '0' * 64)
+  assert _build.build_key('avx2', '/usr/bin/g++')[0] != a
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason='needs a C++ compiler and an x86-64 CPU with AVX2')
+def test_builds_into_a_temporary_cache_loads_and_refuses_a_foreign_isa(tmp_path):
+  # Two concurrent first uses of an empty cache (an AVX2-level build: it runs on every CPU
+  # that can build at all): one compiles under the lock, the other waits and finds it.
+  results = []
+  threads = [threading.Thread(target=lambda: results.append(_build.ensure(AVX2_CPU, tmp_path)))
+             for _ in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert sorted(how for _, how in results) == ['built', 'cached'], results
+  library = results[0][0]
+  assert library == results[1][0] and library.parent.parent == tmp_path
+  manifest = json.loads((library.parent / _build.MANIFEST).read_text())
+  assert manifest['isa'] == 'avx2' and manifest['cpu_flags'] == ['avx2', 'fma']
+  assert '-march=native' not in manifest['flags'] and '-mavx2' in manifest['flags']
+  # loads on this CPU (a superset of AVX2), and says which forms it holds
+  lib = kernels.load_library(library, kernels.cpu_flags())
+  lib.QjaxGemvIsa.restype = ctypes.c_char_p
+  assert lib.QjaxGemvIsa() == b'avx2'
+  stamp = library.stat().st_mtime_ns
+  assert _build.ensure(AVX2_CPU, tmp_path) == (library, 'cached')
+  assert library.stat().st_mtime_ns == stamp  # not rebuilt
+  # A library whose recorded ISA the running CPU lacks (an AVX-512 build seen from an AVX2
+  # machine sharing the cache) is refused before dlopen, which would risk SIGILL ...
+  (library.parent / _build.MANIFEST).write_text(json.dumps(
+      dict(manifest, isa='avx512', cpu_flags=list(_build.ISAS['avx512'][0]))))
+  with pytest.raises(RuntimeError, match='avx512_vnni.*lacks.*rebuild'):
+    kernels.load_library(library, AVX2_CPU)
+  # ... and the cache rebuilds it for this CPU instead of handing it out.
+  rebuilt, how = _build.ensure(AVX2_CPU, tmp_path)
+  assert rebuilt == library and how.startswith('rebuilt') and 'avx512_vnni' in how
+  assert json.loads((library.parent / _build.MANIFEST).read_text())['cpu_flags'] == [
+      'avx2', 'fma']
+  # A library without a manifest: its instruction set is unknown, so it is not loaded.
+  (library.parent / _build.MANIFEST).unlink()
+  with pytest.raises(RuntimeError, match='instruction set is unknown'):
+    kernels.load_library(library, kernels.cpu_flags())
+
+
+def test_a_failed_build_is_recorded_and_not_retried(monkeypatch, tmp_path):
+  monkeypatch.setenv('CXX', str(tmp_path / 'no-such-g++'))
+  lib, why = _build.ensure(AVX2_CPU, tmp_path)
+  assert lib is None and 'no-such-g++' in why
+  lib, why = _build.ensure(AVX2_CPU, tmp_path)  # the recorded failure, without compiling
+  assert lib is None and 'an earlier build' in why and 'python -m qjax.kernels.build' in why
+  assert _build.ensure(None, tmp_path)[1].startswith('no kernel for this platform')
+  assert 'AVX2 + FMA' in _build.ensure(frozenset({'avx'}), tmp_path)[1]
+
+
+def test_no_compiler_warns_once_and_the_xla_paths_run(monkeypatch, tmp_path, caplog):
+  # A fresh process's first use without g++: one warning line naming what is missing, then
+  # the XLA fallback answers qeinsum (the process state is restored by monkeypatch).
+  monkeypatch.setattr(kernels, '_STATE', {})
+  monkeypatch.delenv('QJAX_CPU_KERNEL', raising=False)
+  monkeypatch.delenv('CXX', raising=False)
+  monkeypatch.setattr(_build.shutil, 'which', lambda name: None)
+  monkeypatch.setenv('QJAX_KERNEL_CACHE', str(tmp_path))
+  with caplog.at_level(logging.WARNING, logger='qjax.kernels'):
+    assert not kernels.available() and not kernels.available()
+  assert kernels.status() == 'not built (no C++ compiler (g++ or $CXX) to build it)'
+  assert kernels.info()['library'] is None and kernels.isa() is None
+  if _build.best_isa(kernels.cpu_flags()) is not None:
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and 'C++ compiler' in lines[0] and 'XLA fallback' in lines[0]
+  w = jax.random.normal(jax.random.key(0), (128, 64))
+  q = qjax.quantize(w, qjax.int_format(4, group_size=64, channel_axes=(1,)))
+  x = jax.random.normal(jax.random.key(1), (1, 128))
+  # the module-level helpers read kernels' state at trace time: an eager call sees it
+  np.testing.assert_allclose(qjax.qeinsum('MK,KN->MN', x, q), x @ q.dequantize(), rtol=1e-4,
+                             atol=1e-4)
+
+
+def test_disabled_by_the_environment(monkeypatch):
+  monkeypatch.setattr(kernels, '_STATE', {})
+  monkeypatch.setenv('QJAX_CPU_KERNEL', '0')
+  assert kernels.status() == 'disabled by QJAX_CPU_KERNEL=0'
+  assert kernels.info()['build'] is None
