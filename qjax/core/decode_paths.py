@@ -72,6 +72,34 @@ def _kernel_kind(w: QArray) -> Optional[str]:
   return {8: 'int8', 4: 'int4'}.get(w.qtype.bits) if w.qtype.bits != 4 or w.qtype.packed else None
 
 
+def cpu_decode_forms() -> dict:
+  """What decode shapes (M <= MAX_KERNEL_ROWS rows) run on XLA:CPU in this process, and why.
+
+  The record of the CPU side of `qeinsum`'s choice (conversion records carry it in their
+  'runtime'): the kernel's state (`qjax.kernels.info()`: available, or why not) and, per
+  weight kind, the form that runs. Without the kernel every form is one XLA:CPU measured
+  no slower than the f32 model at decode (docs/cpu_kernel.md); none keeps a float copy of a
+  quantized weight.
+  """
+  info = kernels.info()
+  if info['status'] == 'available':
+    forms = {
+        'int8/int4 weight-only': 'kernel (codes widened in registers, f32 activations); '
+                                 'a one-row int8 head: V blocks (vblocked_einsum)',
+        'W8A8/W4A8': 'kernel (int8 activations, integer dots)',
+        'bf16': 'kernel at one row; XLA bf16 x bf16 -> f32 dot at 2+ rows',
+    }
+  else:
+    forms = {
+        'int8/int4 weight-only': 'XLA row tiles (tiled_path); the tied head as V blocks, packed '
+                                 'fields concatenated into one dot per block (vblocked_einsum)',
+        'W8A8/W4A8': 'XLA row tiles of int8 activations x codes (tiled_path); the head as V '
+                     'blocks on the same int8 activations',
+        'bf16': 'XLA bf16 x bf16 -> f32 dot (one row padded to two)',
+    }
+  return {'kernel': info, 'decode_forms': forms}
+
+
 def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype,
                   max_rows: int = MAX_KERNEL_ROWS, act: Optional[str] = None,
                   explicit: bool = False) -> Optional[jax.Array]:

@@ -128,3 +128,16 @@ def test_disabled_by_the_environment(monkeypatch):
   monkeypatch.setenv('QJAX_CPU_KERNEL', '0')
   assert kernels.status() == 'disabled by QJAX_CPU_KERNEL=0'
   assert kernels.info()['build'] is None
+
+
+def test_conversion_records_say_which_cpu_path_runs(monkeypatch):
+  from qjax.checkpoints import records  # pylint: disable=g-import-not-at-top
+  rt = records.runtime_info()['cpu_decode']
+  assert rt['kernel'] == kernels.info()
+  assert set(rt['decode_forms']) == {'int8/int4 weight-only', 'W8A8/W4A8', 'bf16'}
+  assert ('kernel' in rt['decode_forms']['W8A8/W4A8']) == kernels.available()
+  monkeypatch.setattr(kernels, '_STATE', {})
+  monkeypatch.setenv('QJAX_CPU_KERNEL', '0')
+  rt = records.runtime_info()['cpu_decode']
+  assert rt['kernel']['status'] == 'disabled by QJAX_CPU_KERNEL=0'
+  assert 'XLA' in rt['decode_forms']['W8A8/W4A8']
