@@ -77,9 +77,9 @@ def cpu_decode_forms() -> dict:
 
   The record of the CPU side of `qeinsum`'s choice (conversion records carry it in their
   'runtime'): the kernel's state (`qjax.kernels.info()`: available, or why not) and, per
-  weight kind, the form that runs. Without the kernel every form is one XLA:CPU measured
-  no slower than the f32 model at decode (docs/cpu_kernel.md); none keeps a float copy of a
-  quantized weight.
+  weight kind, the form that runs. Without the kernel each is the fastest XLA:CPU form
+  measured for that kind (docs/cpu_kernel.md has the table: the quantized kinds beat the f32
+  model at decode, bf16 params may not); none keeps a float copy of a quantized weight.
   """
   info = kernels.info()
   if info['status'] == 'available':

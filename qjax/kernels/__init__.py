@@ -5,7 +5,9 @@ f32 accumulation and group scales, reading each weight byte once: the path XLA:C
 (it widens a quantized weight into a float copy before every dot). With `act='int8'` the
 activations are quantized inside the kernel (per row and weight group, `qeinsum`'s 'int8'
 numerics) and multiplied on integer dots: the W8A8 / W4A8 decode path, ~2x faster than
-widening the codes to f32 (README, "Performance"). Built on first use into a per-user cache (`_build.py`: `$QJAX_KERNEL_CACHE`, else
+widening the codes to f32 (docs/cpu_kernel.md).
+
+Built on first use into a per-user cache (`_build.py`: `$QJAX_KERNEL_CACHE`, else
 `$XDG_CACHE_HOME/qjax/kernels` or `~/.cache/qjax/kernels`, one library per jax, compiler, CPU
 instruction-set level and source hash, under a file lock), so any install has it where g++
 and jaxlib's FFI headers exist. Before loading, the library's manifest is checked against
@@ -15,7 +17,7 @@ When it is missing (no compiler, no headers, a failed compile: one warning line 
 fails to load, or `QJAX_CPU_KERNEL=0` is set, `available()` is False and qjax runs its XLA
 paths (`info()` says which and why). This package imports nothing else from qjax.
 
-Two instruction sets, chosen when it is compiled (the CPU's best level of `build.ISAS`;
+Two instruction sets, chosen when it is compiled (the CPU's best level of `_build.ISAS`;
 `isa()` says which), with the same forms, layouts and numerics: 'avx512' (AVX-512
 F/BW/VL/DQ/VNNI: vpdpbusd integer dots, AVX-512 BF16 dots for 'kn' bf16 where the CPU has
 them) and 'avx2' (AVX2 + FMA: vpmaddubsw + vpmaddwd integer dots, bf16 widened to f32). A CPU
@@ -41,7 +43,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from qjax.kernels import _build as build
+from qjax.kernels import _build
 
 __all__ = ['KINDS', 'LAYOUTS', 'available', 'cpu_flags', 'gemv', 'info', 'isa', 'status']
 
@@ -79,11 +81,11 @@ def load_library(library: pathlib.Path, cpu: Optional[frozenset]) -> ctypes.CDLL
     RuntimeError: the manifest is missing, or names CPU flags that `cpu` lacks (running it
       would die on an illegal instruction).
   """
-  manifest = build.read_manifest(pathlib.Path(library).parent)
+  manifest = _build.read_manifest(pathlib.Path(library).parent)
   if manifest is None:
-    raise RuntimeError(f'{library} has no {build.MANIFEST}: its instruction set is unknown; '
+    raise RuntimeError(f'{library} has no {_build.MANIFEST}: its instruction set is unknown; '
                        'delete the folder and rebuild (python -m qjax.kernels.build).')
-  missing = build.missing_flags(manifest, cpu)
+  missing = _build.missing_flags(manifest, cpu)
   if missing:
     raise RuntimeError(f'{library} was built for {manifest.get("isa")} and needs CPU flags '
                        f'{missing} that this CPU lacks; delete the folder and rebuild '
@@ -100,11 +102,11 @@ def _load() -> Optional[str]:
     if os.environ.get('QJAX_CPU_KERNEL', '1') == '0':
       reason = 'disabled by QJAX_CPU_KERNEL=0'
     else:
-      library, how = build.ensure(cpu_flags(), say=_LOG.warning)
+      library, how = _build.ensure(cpu_flags(), say=_LOG.warning)
       _STATE['build'] = how
       if library is None:
         reason = f'not built ({how})'
-        if build.best_isa(cpu_flags()) is not None:  # it could run here: say what is missing
+        if _build.best_isa(cpu_flags()) is not None:  # it could run here: say what is missing
           _LOG.warning('qjax.kernels: the CPU kernel is not built: %s; the XLA fallback paths '
                        'run (qjax.kernels.info()).', how)
       else:
@@ -144,15 +146,15 @@ def info() -> dict:
 
   Returns:
     {'status': `status()`, 'isa': `isa()`, 'cpu_isa': the running CPU's best level
-    (`build.ISAS`, None without AVX2 + FMA or off x86-64), 'library': the loaded file or
+    (`_build.ISAS`, None without AVX2 + FMA or off x86-64), 'library': the loaded file or
     None, 'build': how it was obtained ('cached', 'built', 'rebuilt (why)') or why not}.
     Off CPU backends, before anything asked for the kernel, it is not built just to report
     it: status 'not used (backend <name>)'.
   """
   if 'reason' not in _STATE and jax.default_backend() != 'cpu':
     return {'status': f'not used (backend {jax.default_backend()})', 'isa': None,
-            'cpu_isa': build.best_isa(cpu_flags()), 'library': None, 'build': None}
-  return {'status': status(), 'isa': isa(), 'cpu_isa': build.best_isa(cpu_flags()),
+            'cpu_isa': _build.best_isa(cpu_flags()), 'library': None, 'build': None}
+  return {'status': status(), 'isa': isa(), 'cpu_isa': _build.best_isa(cpu_flags()),
           'library': _STATE.get('library'), 'build': _STATE.get('build')}
 
 
