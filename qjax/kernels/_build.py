@@ -13,9 +13,9 @@ several processes) serialise on a file lock; the library and its manifest are wr
 temporary names and renamed, so a reader never sees a torn file.
 
 ISA: not `-march=native` but an explicit instruction-set level (`ISAS`), the highest this
-CPU has, so a library runs on every CPU with that level's flags and the manifest records
-exactly which flags it needs (`kernels` refuses one whose flags the running CPU lacks, which
-`-march=native` could not state). Needs g++ (or $CXX) and the XLA FFI headers that jaxlib
+CPU has (or `$QJAX_KERNEL_ISA`, a lower one on purpose), so a library runs on every CPU with
+that level's flags and the manifest records exactly which flags it needs (`kernels` refuses
+one whose flags the running CPU lacks, which `-march=native` could not state). Needs g++ (or $CXX) and the XLA FFI headers that jaxlib
 ships (`jax.ffi.include_dir()`).
 """
 
@@ -173,6 +173,16 @@ def ensure(cpu: Optional[frozenset], root: Optional[pathlib.Path] = None,
   if isa is None:
     return None, ('no kernel for this CPU (it needs Linux x86-64 with AVX2 + FMA)'
                   if cpu is not None else 'no kernel for this platform (Linux x86-64 only)')
+  want = os.environ.get('QJAX_KERNEL_ISA')
+  if want:  # a lower level on purpose: one library for a mixed fleet, or to test its forms
+    if want not in ISAS:
+      return None, (f'QJAX_KERNEL_ISA={want!r} is not a level; use one of {tuple(ISAS)} or '
+                    'unset it')
+    lacking = sorted(set(ISAS[want][0]) - cpu)
+    if lacking:
+      return None, (f'QJAX_KERNEL_ISA={want} needs CPU flags {lacking} that this CPU lacks; '
+                    f'use {isa} or lower, or unset it')
+    isa = want
   cxx = compiler()
   if cxx is None:
     return None, 'no C++ compiler (g++ or $CXX) to build it'

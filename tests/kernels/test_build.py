@@ -3,6 +3,10 @@
 import ctypes
 import json
 import logging
+import os
+import pathlib
+import subprocess
+import sys
 import threading
 
 import jax
@@ -51,8 +55,10 @@ def test_key_changes_with_isa_compiler_and_sources(monkeypatch):
 
 @pytest.mark.skipif(not CAN_BUILD, reason='needs a C++ compiler and an x86-64 CPU with AVX2')
 def test_builds_into_a_temporary_cache_loads_and_refuses_a_foreign_isa(tmp_path):
-  # Two concurrent first uses of an empty cache (an AVX2-level build: it runs on every CPU
-  # that can build at all): one compiles under the lock, the other waits and finds it.
+  # One AVX2-level build (it runs on every CPU that can build at all) for the whole story:
+  # concurrent first uses, loading, the AVX2 numerics, and the refusals.
+  # Two concurrent first uses of an empty cache: one compiles under the lock, the other waits
+  # and finds it.
   results = []
   threads = [threading.Thread(target=lambda: results.append(_build.ensure(AVX2_CPU, tmp_path)))
              for _ in range(2)]
@@ -73,6 +79,17 @@ def test_builds_into_a_temporary_cache_loads_and_refuses_a_foreign_isa(tmp_path)
   stamp = library.stat().st_mtime_ns
   assert _build.ensure(AVX2_CPU, tmp_path) == (library, 'cached')
   assert library.stat().st_mtime_ns == stamp  # not rebuilt
+  # The machines alternate between AVX-512 and AVX2 CPUs: the AVX2 forms (gemv_avx2.inc) are
+  # checked on either, by the numerics tests in a process that asks for that level and finds
+  # this library in its cache.
+  env = dict(os.environ, QJAX_KERNEL_ISA='avx2', QJAX_KERNEL_CACHE=str(tmp_path))
+  env.pop('QJAX_CPU_KERNEL', None)
+  r = subprocess.run(
+      [sys.executable, '-m', 'pytest', str(pathlib.Path(__file__).with_name('test_kernels.py')),
+       '-q', '-p', 'no:cacheprovider', '-k', 'available_exactly or matches or nan'],
+      env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert r.returncode == 0 and 'skipped' not in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+  assert library.stat().st_mtime_ns == stamp
   # A library whose recorded ISA the running CPU lacks (an AVX-512 build seen from an AVX2
   # machine sharing the cache) is refused before dlopen, which would risk SIGILL ...
   (library.parent / _build.MANIFEST).write_text(json.dumps(
@@ -96,8 +113,19 @@ def test_a_failed_build_is_recorded_and_not_retried(monkeypatch, tmp_path):
   assert lib is None and 'no-such-g++' in why
   lib, why = _build.ensure(AVX2_CPU, tmp_path)  # the recorded failure, without compiling
   assert lib is None and 'an earlier build' in why and 'python -m qjax.kernels.build' in why
+  (tmp_path / 'a-file').write_text('')
+  lib, why = _build.ensure(AVX2_CPU, tmp_path / 'a-file' / 'cache')  # cannot be made
+  assert lib is None and 'not usable' in why and 'QJAX_KERNEL_CACHE' in why
   assert _build.ensure(None, tmp_path)[1].startswith('no kernel for this platform')
   assert 'AVX2 + FMA' in _build.ensure(frozenset({'avx'}), tmp_path)[1]
+
+
+def test_a_chosen_isa_level_is_checked(monkeypatch, tmp_path):
+  monkeypatch.setenv('QJAX_KERNEL_ISA', 'avx9')
+  assert "QJAX_KERNEL_ISA='avx9' is not a level" in _build.ensure(AVX2_CPU, tmp_path)[1]
+  monkeypatch.setenv('QJAX_KERNEL_ISA', 'avx512')
+  why = _build.ensure(AVX2_CPU, tmp_path)[1]
+  assert 'QJAX_KERNEL_ISA=avx512 needs' in why and 'avx512_vnni' in why and 'use avx2' in why
 
 
 def test_no_compiler_warns_once_and_the_xla_paths_run(monkeypatch, tmp_path, caplog):
