@@ -15,8 +15,8 @@ temporary names and renamed, so a reader never sees a torn file.
 ISA: not `-march=native` but an explicit instruction-set level (`ISAS`), the highest this
 CPU has (or `$QJAX_KERNEL_ISA`, a lower one on purpose), so a library runs on every CPU with
 that level's flags and the manifest records exactly which flags it needs (`kernels` refuses
-one whose flags the running CPU lacks, which `-march=native` could not state). Needs g++ (or $CXX) and the XLA FFI headers that jaxlib
-ships (`jax.ffi.include_dir()`).
+one whose flags the running CPU lacks, which `-march=native` could not state). Needs g++
+(or $CXX) and the XLA FFI headers that jaxlib ships (`jax.ffi.include_dir()`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import os
 import pathlib
 import shutil
 import subprocess
-import sys
 from typing import Optional
 
 SOURCES = ('gemv.cc', 'gemv_avx2.inc', 'gemv_avx512.inc')
