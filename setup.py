@@ -10,7 +10,7 @@ setup(
     packages=find_packages(include=['qjax', 'qjax.*']),
     # The vendored corpora (qjax.data.corpus) and their provenance/licence README.
     package_data={'qjax.data': ['corpora/README.md', 'corpora/*/*.txt'],
-                  # The optional CPU kernel's source (`python -m qjax.kernels.build`).
+                  # The CPU kernel's source, compiled on first use into a per-user cache.
                   'qjax.kernels': ['gemv.cc', 'gemv_*.inc']},
     python_requires='>=3.11',
     install_requires=[

@@ -23,6 +23,8 @@ from typing import Any, Iterable
 import jax
 import numpy as np
 
+from qjax.core import decode_paths
+
 RECORD_NAME = 'conversion_record.json'
 REQUIRED_FIELDS = (
     'base_checkpoint', 'tokenizer', 'source_dtype', 'weight_formats', 'activation_formats',
@@ -147,13 +149,15 @@ def digest(hashes: dict[str, str]) -> str:
 
 
 def runtime_info() -> dict:
-  """Library versions (the 'runtime and kernel version' of the record)."""
+  """Library versions and the CPU decode paths (the 'runtime and kernel version' of the
+  record): whether the CPU kernel ran, and why not (`decode_paths.cpu_decode_forms`)."""
   out = {'python': sys.version.split()[0]}
   for p in _PACKAGES:
     try:
       out[p] = importlib.metadata.version(p)
     except importlib.metadata.PackageNotFoundError:
       out[p] = None
+  out['cpu_decode'] = decode_paths.cpu_decode_forms()
   return out
 
 

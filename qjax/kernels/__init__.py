@@ -5,15 +5,23 @@ f32 accumulation and group scales, reading each weight byte once: the path XLA:C
 (it widens a quantized weight into a float copy before every dot). With `act='int8'` the
 activations are quantized inside the kernel (per row and weight group, `qeinsum`'s 'int8'
 numerics) and multiplied on integer dots: the W8A8 / W4A8 decode path, ~2x faster than
-widening the codes to f32 (README, "Performance"). Built by `python -m qjax.kernels.build`
-(the install step runs it); when the library is missing, fails to load, or
-`QJAX_CPU_KERNEL=0` is set, `available()` is False and qjax uses its XLA paths. This package
-imports nothing else from qjax.
+widening the codes to f32 (docs/cpu_kernel.md).
 
-Two instruction sets, chosen when it is compiled (`-march=native`; `isa()` says which), with
-the same forms, layouts and numerics: 'avx512' (AVX-512 F/BW/VL/VNNI: vpdpbusd integer dots,
-AVX-512 BF16 dots for 'kn' bf16 where the CPU has them) and 'avx2' (AVX2 + FMA: vpmaddubsw +
-vpmaddwd integer dots, bf16 widened to f32). A CPU with neither does not build it.
+Built on first use into a per-user cache (`_build.py`: `$QJAX_KERNEL_CACHE`, else
+`$XDG_CACHE_HOME/qjax/kernels` or `~/.cache/qjax/kernels`, one library per jax, compiler, CPU
+instruction-set level and source hash, under a file lock), so any install has it where g++
+and jaxlib's FFI headers exist. Before loading, the library's manifest is checked against
+the running CPU (`cpu_flags()`): one built for flags this CPU lacks (a cache shared with a
+bigger machine) is never loaded, but rebuilt for this CPU (`info()['build']` says which).
+When it is missing (no compiler, no headers, a failed compile: one warning line at first use),
+fails to load, or `QJAX_CPU_KERNEL=0` is set, `available()` is False and qjax runs its XLA
+paths (`info()` says which and why). This package imports nothing else from qjax.
+
+Two instruction sets, chosen when it is compiled (the CPU's best level of `_build.ISAS`;
+`isa()` says which), with the same forms, layouts and numerics: 'avx512' (AVX-512
+F/BW/VL/DQ/VNNI: vpdpbusd integer dots, AVX-512 BF16 dots for 'kn' bf16 where the CPU has
+them) and 'avx2' (AVX2 + FMA: vpmaddubsw + vpmaddwd integer dots, bf16 widened to f32). A CPU
+with neither has no kernel.
 
 Layouts: 'kn' weights are (K, N), contracted axis first (every projection); 'nk' weights are
 (N, K), contracted axis last (the tied head 'BTD,VD->BTV'). int4 codes are qjax's packing
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import pathlib
 import platform
@@ -34,11 +43,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ['KINDS', 'LAYOUTS', 'LIBRARY', 'available', 'cpu_flags', 'gemv', 'isa', 'status']
+from qjax.kernels import _build
 
-# Where `python -m qjax.kernels.build` writes the library (build.py names the same path; it
-# is not imported here, so running it as a script does not import this package's state).
-LIBRARY = pathlib.Path(__file__).parent / 'build' / 'libqjax_gemv.so'
+__all__ = ['KINDS', 'LAYOUTS', 'available', 'cpu_flags', 'gemv', 'info', 'isa', 'status']
 
 KINDS = ('int8', 'int4', 'bf16')
 LAYOUTS = ('kn', 'nk')
@@ -47,6 +54,9 @@ _SYMBOLS = {('kn', 'int8'): 'QjaxKnI8', ('kn', 'int4'): 'QjaxKnI4', ('kn', 'bf16
             # int8 activations (qeinsum's 'int8' numerics) on integer dots
             ('kn', 'int8_a8'): 'QjaxKnI8A8', ('kn', 'int4_a8'): 'QjaxKnI4A8',
             ('nk', 'int8_a8'): 'QjaxNkI8A8', ('nk', 'int4_a8'): 'QjaxNkI4A8'}
+_LOG = logging.getLogger('qjax.kernels')
+# The process's one load attempt (the library registers its FFI targets once per process):
+# 'reason' (None when loaded), 'isa', 'library', 'build'. Guarded by _LOCK.
 _LOCK = threading.Lock()
 _STATE: dict = {}
 
@@ -64,35 +74,53 @@ def cpu_flags() -> Optional[frozenset]:
   return frozenset(line.partition(':')[2].split())
 
 
-def _stamp() -> Optional[str]:
-  stamp = LIBRARY.with_suffix('.jax')
-  return stamp.read_text().strip() if stamp.is_file() else None
+def load_library(library: pathlib.Path, cpu: Optional[frozenset]) -> ctypes.CDLL:
+  """dlopen a built library after checking its manifest against the CPU flags `cpu`.
+
+  Raises:
+    RuntimeError: the manifest is missing, or names CPU flags that `cpu` lacks (running it
+      would die on an illegal instruction).
+  """
+  manifest = _build.read_manifest(pathlib.Path(library).parent)
+  if manifest is None:
+    raise RuntimeError(f'{library} has no {_build.MANIFEST}: its instruction set is unknown; '
+                       'delete the folder and rebuild (python -m qjax.kernels.build).')
+  missing = _build.missing_flags(manifest, cpu)
+  if missing:
+    raise RuntimeError(f'{library} was built for {manifest.get("isa")} and needs CPU flags '
+                       f'{missing} that this CPU lacks; delete the folder and rebuild '
+                       '(python -m qjax.kernels.build).')
+  return ctypes.cdll.LoadLibrary(str(library))
 
 
 def _load() -> Optional[str]:
-  """Load and register the library once; None when it is usable, else why not."""
+  """Find or build, check, load and register the library once; None when usable, else why."""
   with _LOCK:
     if 'reason' in _STATE:
       return _STATE['reason']
     reason = None
     if os.environ.get('QJAX_CPU_KERNEL', '1') == '0':
       reason = 'disabled by QJAX_CPU_KERNEL=0'
-    elif not LIBRARY.is_file():
-      reason = f'not built ({LIBRARY.name} missing: run python -m qjax.kernels.build)'
-    elif _stamp() != jax.__version__:
-      reason = (f'not built for this jax (built for {_stamp() or "an unknown jax"}, running '
-                f'{jax.__version__}: run python -m qjax.kernels.build)')
     else:
-      try:
-        lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
-        isa_fn = lib.QjaxGemvIsa
-        isa_fn.restype = ctypes.c_char_p
-        for (layout, kind), sym in _SYMBOLS.items():
-          jax.ffi.register_ffi_target(f'qjax_gemv_{layout}_{kind}',
-                                      jax.ffi.pycapsule(getattr(lib, sym)), platform='cpu')
-        _STATE['isa'] = isa_fn().decode()
-      except Exception as e:  # pylint: disable=broad-except
-        reason = f'failed to load ({type(e).__name__}: {e})'
+      library, how = _build.ensure(cpu_flags(), say=_LOG.warning)
+      _STATE['build'] = how
+      if library is None:
+        reason = f'not built ({how})'
+        if _build.best_isa(cpu_flags()) is not None:  # it could run here: say what is missing
+          _LOG.warning('qjax.kernels: the CPU kernel is not built: %s; the XLA fallback paths '
+                       'run (qjax.kernels.info()).', how)
+      else:
+        try:
+          lib = load_library(library, cpu_flags())
+          isa_fn = lib.QjaxGemvIsa
+          isa_fn.restype = ctypes.c_char_p
+          for (layout, kind), sym in _SYMBOLS.items():
+            jax.ffi.register_ffi_target(f'qjax_gemv_{layout}_{kind}',
+                                        jax.ffi.pycapsule(getattr(lib, sym)), platform='cpu')
+          _STATE['isa'] = isa_fn().decode()
+          _STATE['library'] = str(library)
+        except Exception as e:  # pylint: disable=broad-except
+          reason = f'failed to load ({type(e).__name__}: {e})'
     _STATE['reason'] = reason
     return reason
 
@@ -111,6 +139,23 @@ def isa() -> Optional[str]:
   """The instruction set the loaded kernel was built for, 'avx512' or 'avx2'; None when the
   kernel is not available (`status()` says why)."""
   return _STATE.get('isa') if _load() is None else None
+
+
+def info() -> dict:
+  """The kernel's state for records and benchmarks: what runs and why.
+
+  Returns:
+    {'status': `status()`, 'isa': `isa()`, 'cpu_isa': the running CPU's best level
+    (`_build.ISAS`, None without AVX2 + FMA or off x86-64), 'library': the loaded file or
+    None, 'build': how it was obtained ('cached', 'built', 'rebuilt (why)') or why not}.
+    Off CPU backends, before anything asked for the kernel, it is not built just to report
+    it: status 'not used (backend <name>)'.
+  """
+  if 'reason' not in _STATE and jax.default_backend() != 'cpu':
+    return {'status': f'not used (backend {jax.default_backend()})', 'isa': None,
+            'cpu_isa': _build.best_isa(cpu_flags()), 'library': None, 'build': None}
+  return {'status': status(), 'isa': isa(), 'cpu_isa': _build.best_isa(cpu_flags()),
+          'library': _STATE.get('library'), 'build': _STATE.get('build')}
 
 
 def gemv(x_MK: jax.Array, w: jax.Array, scale: Optional[jax.Array], layout: str,

@@ -18,12 +18,13 @@
 //   int8 activations ("_a8": quantized here per row and weight group, qeinsum's 'int8'
 //     numerics) x int8 / int4 codes on integer dots: W8A8 / W4A8;
 //   bf16 weights (f32 activations).
-// Two instruction sets, chosen at compile time (-march=native): AVX-512 F/BW/VL/VNNI
+// Two instruction sets, chosen at compile time (-mavx512* / -mavx2 flags): AVX-512 F/BW/VL/VNNI
 // (gemv_avx512.inc: vpdpbusd integer dots, and AVX-512 BF16 dots for kn bf16 where present),
 // else AVX2 + FMA (gemv_avx2.inc: vpmaddubsw + vpmaddwd, bf16 widened to f32). This file
 // holds what both share: threading, drivers, FFI handlers. Elsewhere the build fails and qjax
 // uses its XLA paths. QjaxGemvIsa() names the forms built.
-// Build: python -m qjax.kernels.build (g++ -O3 -march=native, headers from jax.ffi).
+// Built on first use (or by python -m qjax.kernels.build) into a per-user cache, with the
+// flags of the CPU's instruction-set level (qjax/kernels/_build.py), headers from jax.ffi.
 
 #include <immintrin.h>
 
@@ -98,7 +99,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, F fn) {
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "gemv_avx2.inc"
 #else
-#error "qjax gemv needs AVX2 + FMA or AVX-512 F/BW/VL/VNNI (built with -march=native)"
+#error "qjax gemv needs AVX2 + FMA or AVX-512 F/BW/VL/VNNI (qjax/kernels/_build.py passes the -m flags)"
 #endif
 
 // Calls f(std::integral_constant<int, mb>()) for 1 <= mb <= kMax: register tiles take their
