@@ -86,6 +86,7 @@ import pytest  # noqa: E402
 jax.config.update('jax_default_matmul_precision', 'highest')
 
 from qjax.eval import process as qprocess  # noqa: E402
+from qjax_test_backends import backend_skip_reason  # noqa: E402
 
 from hypothesis import settings  # noqa: E402
 
@@ -93,23 +94,9 @@ settings.register_profile('qjax', max_examples=40, deadline=None)
 settings.load_profile('qjax')
 
 
-BACKENDS = ('cpu', 'gpu', 'tpu')
-
-
 def pytest_configure(config):
   config.addinivalue_line('markers', "backend(name, ..., reason=''): a test of a property of "
                           "these backends only ('cpu', 'gpu', 'tpu'); skipped on the others.")
-
-
-def backend_skip_reason(names, reason: str, backend: str):
-  """Why a test marked `backend(*names, reason=...)` does not run on `backend` (None: it runs)."""
-  unknown = [n for n in names if n not in BACKENDS]
-  if not names or unknown:
-    raise ValueError(f'@pytest.mark.backend{tuple(names)}: name one or more of {BACKENDS}.')
-  if backend in names:
-    return None
-  return (f"{' / '.join(names)} only ({reason or 'a backend-specific property'}); the default "
-          f'backend is {backend}')
 
 
 def pytest_runtest_setup(item):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import conftest
+import qjax_test_backends
 from qjax import sharding
 
 
@@ -28,11 +28,11 @@ def test_an_accelerator_test_runs_only_on_an_accelerator():
 
 
 def test_skip_reason_names_the_backends_and_the_reason():
-  assert conftest.backend_skip_reason(('cpu',), 'why', 'cpu') is None
-  why = conftest.backend_skip_reason(('gpu', 'tpu'), 'fused attention', 'cpu')
+  assert qjax_test_backends.backend_skip_reason(('cpu',), 'why', 'cpu') is None
+  why = qjax_test_backends.backend_skip_reason(('gpu', 'tpu'), 'fused attention', 'cpu')
   assert 'gpu / tpu only' in why and 'fused attention' in why and 'cpu' in why
   with pytest.raises(ValueError, match="'cuda'"):
-    conftest.backend_skip_reason(('cuda',), '', 'gpu')
+    qjax_test_backends.backend_skip_reason(('cuda',), '', 'gpu')
 
 
 def test_mesh_tests_get_cpu_devices_and_a_cpu_default_device(eight_devices):
