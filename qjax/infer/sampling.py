@@ -325,6 +325,14 @@ def _sample_pick(logits_BV, params, position_B, seen_BV):
   return validate.mark_non_finite(tok_B, logits_BV), logprob_B, seen_BV
 
 
+def _sample_block_pick(logits_BV, step, carry):
+  """`_sample_pick` as a `decode_steps` pick: output token `first + step` of each row."""
+  params, first, seen_BV = carry
+  position_B = jnp.full(logits_BV.shape[:1], first + step, jnp.int32)
+  tok_B, logprob_B, seen_BV = _sample_pick(logits_BV, params, position_B, seen_BV)
+  return tok_B, logprob_B, (params, first, seen_BV)
+
+
 def as_batch(params, batch: int) -> SamplingBatch:
   """A `SamplingBatch` of B rows from one SamplingParams, a list of B, or a SamplingBatch."""
   if isinstance(params, SamplingParams):
@@ -370,15 +378,15 @@ def sample_generate(model, prompt_BT: jax.Array, params, max_tokens: int):
   prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
   cache = init_cache(cfg, b, t + max_tokens, fmt=kv_format(model))
   seen_BV = seen_mask(prompt_BT, cfg.vocab_size)
-  toks, logps = [prompt_BT], []
-  feed_BT = prompt_BT
-  for i in range(max_tokens):
-    position_B = jnp.full((b,), i, jnp.int32)
-    (tok_B, logprob_B, seen_BV), cache = nn_generate.decode_step(
-        model, feed_BT, cache, _sample_pick, batch, position_B, seen_BV)
-    toks.append(tok_B[:, None])
-    logps.append(logprob_B[:, None])
-    feed_BT = tok_B[:, None]
+  (tok_B, logprob_B, seen_BV), cache = nn_generate.decode_step(
+      model, prompt_BT, cache, _sample_pick, batch, jnp.zeros((b,), jnp.int32), seen_BV)
+  toks, logps = [prompt_BT, tok_B[:, None]], [logprob_B[:, None]]
+  if max_tokens > 1:  # the rest in one dispatch, the loop on the device
+    new_BL, logp_BL, cache, _ = nn_generate.decode_steps(
+        model, tok_B, cache, max_tokens - 1, _sample_block_pick,
+        (batch, jnp.int32(1), seen_BV))
+    toks.append(new_BL)
+    logps.append(logp_BL)
   tokens = jnp.concatenate(toks, axis=1)
   validate.raise_non_finite(tokens, 'sample_generate', start=t)
   return tokens, jnp.concatenate(logps, axis=1)

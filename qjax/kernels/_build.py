@@ -47,7 +47,13 @@ ISAS = {
                 '-mavx512vnni')),
     'avx2': (('avx2', 'fma'), ('-mavx2', '-mfma')),
 }
-BASE_FLAGS = ('-O3', '-ffast-math', '-fPIC', '-shared', '-std=c++17', '-w')
+# The parts of -ffast-math the loops need (reassociation for vectorised sums), without
+# -ffast-math / -funsafe-math-optimizations themselves: with either, g++ links crtfastmath.o,
+# whose constructor turns on flush-to-zero and denormals-are-zero for the whole process when
+# the library loads, so numpy and XLA in that process would silently flush subnormals.
+BASE_FLAGS = ('-O3', '-fassociative-math', '-fno-signed-zeros', '-fno-trapping-math',
+              '-freciprocal-math', '-fno-math-errno', '-ffinite-math-only', '-fPIC', '-shared',
+              '-std=c++17', '-w')
 
 
 def cache_root() -> pathlib.Path:
