@@ -355,8 +355,6 @@ def run_hf(model_name: str, p: Protocol, smoke: bool) -> dict:
   if device == 'cuda':
     row['device_peak_bytes_so_far'] = int(torch.cuda.max_memory_allocated())
     row['memory_source'] = 'torch.cuda.max_memory_allocated()'
-  del model
-  gc.collect()
   return row
 
 
