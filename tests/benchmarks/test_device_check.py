@@ -63,3 +63,9 @@ def test_render_merges_saved_runs(tmp_path):
   text = (tmp_path / 'device_check.md').read_text()
   assert '| bf16 | 2,048 | 70,000 | 3.000 | 1.500 | 35% | 20.0 |' in text, text
   assert '| int4 g128 |' in text and 'Not run (time budget): gemma3_270m fp8.' in text
+
+
+def test_decode_dispatch_runs():
+  from benchmarks import decode_dispatch  # pylint: disable=g-import-not-at-top
+  out = decode_dispatch.main(['--layers=1', '--steps=3', '--reps=1'])
+  assert out['host'] > 0 and out['device'] > 0
