@@ -8,7 +8,8 @@ For each model shape (synthetic weights: the cost, not the quality) and weight f
 measures, on the default backend:
   * prefill: one (1, P) prompt through `generate.greedy_step` (P = 512), median of 3;
   * decode, host loop: `generate.greedy_step` called once per token from Python, as a user's
-    loop does (a 128-token context, 64 steps), at each batch;
+    loop does (a 128-token context, 64 steps), at the `--host_batches` (default 1: each is
+    one more executable to compile per row);
   * decode, device loop: the same step run `steps` times inside one jitted `lax.fori_loop`,
     so the time is the device's, without per-step dispatch (what the step itself costs);
   * weight bytes (the state's device buffers: packed codes count what they hold), the fraction
@@ -188,6 +189,7 @@ class Protocol:
   steps: int
   batches: tuple
   reps: int
+  host_batches: tuple = (1,)
 
 
 def _decode_cache(cfg, model, batch: int, p: Protocol):
@@ -249,7 +251,8 @@ def run_qjax(model_name: str, fmt: str, p: Protocol, smoke: bool, threads: int) 
 
   # Warm-up = compile: every executable of the row once, in parallel threads (XLA compiles
   # outside the GIL); the row's compile seconds are this phase's wall time.
-  jobs = [prefill_once] + [functools.partial(host_loop, b, 1) for b in p.batches] + [
+  host_batches = [b for b in p.batches if b in p.host_batches]
+  jobs = [prefill_once] + [functools.partial(host_loop, b, 1) for b in host_batches] + [
       functools.partial(compile_loop, b) for b in p.batches]
   t0 = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
@@ -262,15 +265,17 @@ def run_qjax(model_name: str, fmt: str, p: Protocol, smoke: bool, threads: int) 
   chip = chip_for(dev)
   context = p.prompt + p.steps / 2
   for b in p.batches:
-    host_s = min(host_loop(b, p.steps) for _ in range(2)) / p.steps
     dev_s = min(device_loop(b) for _ in range(2)) / p.steps
-    row[f'b{b}'] = cell = {'host_loop_ms': 1e3 * host_s, 'host_loop_tok_s': b / host_s,
-                           'device_loop_ms': 1e3 * dev_s, 'device_loop_tok_s': b / dev_s}
+    row[f'b{b}'] = cell = {'device_loop_ms': 1e3 * dev_s, 'device_loop_tok_s': b / dev_s}
+    if b in host_batches:
+      host_s = min(host_loop(b, p.steps) for _ in range(2)) / p.steps
+      cell.update(host_loop_ms=1e3 * host_s, host_loop_tok_s=b / host_s)
     if chip is not None:
       bound = (row['weight_bytes'] + b * context * row['kv_bytes_per_token']) / chip.hbm_bw
       cell['bound_ms'] = 1e3 * bound
-      cell['hbm_fraction_host_loop'] = bound / host_s
       cell['hbm_fraction_device_loop'] = bound / dev_s
+      if 'host_loop_ms' in cell:
+        cell['hbm_fraction_host_loop'] = bound / host_s
   analysis = compiled[p.batches[0]].memory_analysis()
   if analysis is not None:
     row['decode_loop_temp_bytes'] = int(analysis.temp_size_in_bytes)
@@ -418,7 +423,7 @@ def plot(result: dict, path: str) -> None:
     rows = [r for r in result['rows'] if r['model'] == model_name and 'b1' in r]
     width = 0.8 / max(1, len(rows))
     for i, r in enumerate(rows):
-      vals = [r[f'b{b}'].get('device_loop_tok_s', r[f'b{b}']['host_loop_tok_s'])
+      vals = [r[f'b{b}'].get('device_loop_tok_s') or r[f'b{b}'].get('host_loop_tok_s', 0)
               for b in batches]
       ax.bar(np.arange(len(batches)) + i * width, vals, width, label=r['format'])
     ax.set_xticks(np.arange(len(batches)) + 0.4 - width / 2, [f'batch {b}' for b in batches])
@@ -436,6 +441,9 @@ def main(argv=None) -> dict:
   ap.add_argument('--models', default=','.join(MODELS))
   ap.add_argument('--formats', default=','.join(FORMATS))
   ap.add_argument('--batches', default=None, help='default 1,8,64 (smoke: 1,2)')
+  ap.add_argument('--host_batches', default='1',
+                  help='batches also timed as a Python loop of greedy_step (each one more '
+                       'executable to compile per row; the device loop runs at every batch)')
   ap.add_argument('--hf', default='auto', choices=('auto', 'no'))
   ap.add_argument('--budget_s', type=float, default=330.0)
   ap.add_argument('--threads', type=int, default=None,
@@ -448,8 +456,11 @@ def main(argv=None) -> dict:
     return render([json.load(open(f)) for f in a.render.split(',')], a.out)
   start = time.perf_counter()
   batches = tuple(int(b) for b in (a.batches or ('1,2' if a.smoke else '1,8,64')).split(','))
-  p = (Protocol(prefill=32, prompt=16, steps=4, batches=batches, reps=1) if a.smoke else
-       Protocol(prefill=512, prompt=128, steps=64, batches=batches, reps=3))
+  host_batches = tuple(int(b) for b in a.host_batches.split(',') if b.strip())
+  p = (Protocol(prefill=32, prompt=16, steps=4, batches=batches, reps=1,
+                host_batches=host_batches) if a.smoke else
+       Protocol(prefill=512, prompt=128, steps=64, batches=batches, reps=3,
+                host_batches=host_batches))
   threads = a.threads or min(8, os.cpu_count() or 1)
   models = [m.strip() for m in a.models.split(',') if m.strip()]
   formats = [f.strip() for f in a.formats.split(',') if f.strip()]
