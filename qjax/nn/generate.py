@@ -222,8 +222,9 @@ def step_compilations() -> dict[str, int]:
   """How many times each jitted step was traced (= compiled) in this process.
 
   Keys: 'greedy' (`greedy_step`, `greedy_generate`'s prefill), 'pick' (`decode_step`),
-  'logits' (`logits_step`), 'block' (`decode_steps`: the decode loops' many-step dispatch). A step compiles once per (padded) token width, cache shape and model
-  structure; with buckets, prompts of lengths 5, 6 and 7 share the width 8.
+  'logits' (`logits_step`), 'block' (`decode_steps`: the decode loops' many-step dispatch).
+  A step compiles once per (padded) token width, cache shape and model structure; with
+  buckets, prompts of lengths 5, 6 and 7 share the width 8.
   """
   return dict(_TRACES)
 
