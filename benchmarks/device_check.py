@@ -303,7 +303,8 @@ def _hf_model(model_name: str, smoke: bool):
   import transformers  # pylint: disable=g-import-not-at-top
   cfg = model_config(model_name, smoke)
   common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
-                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                num_key_value_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim, intermediate_size=cfg.d_ff,
                 max_position_embeddings=cfg.max_len, tie_word_embeddings=True)
   if model_name == 'llama32_1b':
