@@ -10,13 +10,14 @@ measures, on the default backend:
   * decode, host loop: `generate.greedy_step` called once per token from Python, as a user's
     loop does (a 128-token context, 64 steps), at the `--host_batches` (default 1: each is
     one more executable to compile per row);
-  * decode, device loop: the same step run `steps` times inside one jitted `lax.fori_loop`,
-    so the time is the device's, without per-step dispatch (what the step itself costs);
+  * decode, device loop: `generate.decode_steps`, the same step run `steps` times inside one
+    jitted `lax.fori_loop` (what `greedy_generate` runs), so the time is the device's,
+    without per-step dispatch (what the step itself costs);
   * weight bytes (the state's device buffers: packed codes count what they hold), the fraction
     of the HBM-bandwidth bound each decode step reaches ((weight bytes + the KV bytes a step
     must read) / the chip's bandwidth from `qjax.costmodel`, over the step's time), device
-    memory from `jax.Device.memory_stats()` (on CPU: none, said so), the compiled decode step's
-    temp bytes (`memory_analysis()`), and the compile seconds of the row's executables.
+    memory from `jax.Device.memory_stats()` (on CPU: none, said so), the compiled decode
+    step's temp bytes (`qjax.eval.memory.compiled_memory`), and the compile seconds of the row's executables.
   * HF transformers bf16 on the same device in the same run, when `torch` and `transformers`
     import and torch sees the device (`generate` timed as a difference of two lengths).
 Rows run in the order given until `--budget_s` is spent; the rest are listed as not run.
@@ -45,15 +46,15 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 
 from qjax import costmodel, fp8_format, int_format
+from qjax.eval import memory as qmemory
 from qjax.eval import report
 from qjax.eval.process import device_memory
 from qjax.nn import QuantPolicy, QuantRule, Transformer, TransformerConfig, generate, kvcache
@@ -166,22 +167,6 @@ def kv_bytes_per_token(cfg: TransformerConfig, model) -> int:
   return kvcache.nbytes(cache)
 
 
-def _device_loop(model, steps: int) -> Callable:
-  """run(state, tok_B, cache) -> (tok_B, cache) after `steps` greedy steps in one fori_loop."""
-  graphdef, _ = nnx.split(model)
-
-  @functools.partial(jax.jit, donate_argnums=(2,))
-  def run(state, tok_B, cache):
-    m = nnx.merge(graphdef, state)
-
-    def body(_, carry):
-      tok_B, cache = carry
-      logits_BTV, cache = m(tok_B[:, None], cache)
-      return jnp.argmax(logits_BTV[:, -1], -1).astype(jnp.int32), cache
-    return lax.fori_loop(0, steps, body, (tok_B, cache))
-  return run
-
-
 @dataclasses.dataclass
 class Protocol:
   prefill: int
@@ -220,8 +205,6 @@ def run_qjax(model_name: str, fmt: str, p: Protocol, smoke: bool, threads: int) 
   rng = np.random.default_rng(0)
   prefill_ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, p.prefill)), jnp.int32)
   first = {b: jnp.asarray(rng.integers(3, cfg.vocab_size, (b,)), jnp.int32) for b in p.batches}
-  loop = _device_loop(model, p.steps)
-  _, state = nnx.split(model)
 
   def prefill_once():
     cache = kvcache.init_cache(cfg, 1, p.prefill + 1, fmt=kv_format(model))
@@ -237,23 +220,23 @@ def run_qjax(model_name: str, fmt: str, p: Protocol, smoke: bool, threads: int) 
     _sync(tok)
     return time.perf_counter() - t
 
-  compiled = {}
-
-  def compile_loop(b: int):
-    compiled[b] = loop.lower(state, first[b], _decode_cache(cfg, model, b, p)).compile()
-
   def device_loop(b: int) -> float:
     cache = _decode_cache(cfg, model, b, p)
     _sync(cache)
     t = time.perf_counter()
-    _sync(compiled[b](state, first[b], cache)[0])
+    _sync(generate.decode_steps(model, first[b], cache, p.steps)[0])
     return time.perf_counter() - t
+
+  def step_memory():
+    row['decode_step_temp_bytes'] = qmemory.compiled_memory(
+        model, p.batches[0], 1, p.prompt + 2 * p.steps + 2)['temp']
 
   # Warm-up = compile: every executable of the row once, in parallel threads (XLA compiles
   # outside the GIL); the row's compile seconds are this phase's wall time.
   host_batches = [b for b in p.batches if b in p.host_batches]
-  jobs = [prefill_once] + [functools.partial(host_loop, b, 1) for b in host_batches] + [
-      functools.partial(compile_loop, b) for b in p.batches]
+  jobs = [prefill_once, step_memory] + [functools.partial(host_loop, b, 1)
+                                        for b in host_batches] + [
+      functools.partial(device_loop, b) for b in p.batches]
   t0 = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
     list(pool.map(lambda f: f(), jobs))
@@ -276,9 +259,6 @@ def run_qjax(model_name: str, fmt: str, p: Protocol, smoke: bool, threads: int) 
       cell['hbm_fraction_device_loop'] = bound / dev_s
       if 'host_loop_ms' in cell:
         cell['hbm_fraction_host_loop'] = bound / host_s
-  analysis = compiled[p.batches[0]].memory_analysis()
-  if analysis is not None:
-    row['decode_loop_temp_bytes'] = int(analysis.temp_size_in_bytes)
   mem2 = device_memory(dev)
   if mem2:
     row['device_peak_bytes_so_far'] = mem2['peak']
@@ -405,7 +385,8 @@ def markdown(result: dict) -> str:
                   f"{c['device_loop_ms']:.3f}" if 'device_loop_ms' in c else '',
                   f'{100 * frac:.0f}%' if frac is not None else '']
       cells += [f"{r['compile_s']:.1f}" if 'compile_s' in r else '',
-                _mb(r.get('decode_loop_temp_bytes')), _mb(r.get('device_bytes_in_use_after_load'))]
+                _mb(r.get('decode_step_temp_bytes', r.get('decode_loop_temp_bytes'))),
+                _mb(r.get('device_bytes_in_use_after_load'))]
       lines.append('| ' + ' | '.join(cells) + ' |')
     lines.append('')
   if result.get('not_run'):
