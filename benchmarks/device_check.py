@@ -17,7 +17,8 @@ measures, on the default backend:
     of the HBM-bandwidth bound each decode step reaches ((weight bytes + the KV bytes a step
     must read) / the chip's bandwidth from `qjax.costmodel`, over the step's time), device
     memory from `jax.Device.memory_stats()` (on CPU: none, said so), the compiled decode
-    step's temp bytes (`qjax.eval.memory.compiled_memory`), and the compile seconds of the row's executables.
+    step's temp bytes (`qjax.eval.memory.compiled_memory`), and the compile seconds of the
+    row's executables.
   * HF transformers bf16 on the same device in the same run, when `torch` and `transformers`
     import and torch sees the device (`generate` timed as a difference of two lengths).
 Rows run in the order given until `--budget_s` is spent; the rest are listed as not run.
