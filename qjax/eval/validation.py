@@ -193,12 +193,12 @@ def context_limit(model, policy, *, budget_bytes: int, batch: int = 1,
   used = cm['argument'] + cm['temp'] + cm['output'] - cm['alias']
   cache = init_cache(cfg, batch, s, fmt=kv)
   cache = dataclasses.replace(cache, length=jnp.full_like(cache.length, s - 1))
-  rss0, device0 = qprocess.current_rss_bytes(), qprocess.device_memory()
+  rss0 = qprocess.current_rss_bytes()
   reset = qprocess.reset_peak_rss()  # the step just analysed, run once at full context
   jax.block_until_ready(qmemory.run_step(model, jnp.zeros((batch, 1), jnp.int32), cache))
-  device1 = qprocess.device_memory()
-  if device0 is not None and device1 is not None:  # an accelerator: its memory, not the host's
-    out['run_device_peak'] = device1['peak']
+  device = qprocess.device_memory()
+  if device is not None:  # an accelerator: its memory, not the host's
+    out['run_device_peak'] = device['peak']
   elif reset:
     out['run_peak_rss_above_start'] = qprocess.peak_rss_bytes(since_reset=True) - rss0
   out.update(compiled_bytes=used, compiled=cm, confirmed=used <= budget_bytes, ran=True,

@@ -76,6 +76,9 @@ def test_builds_into_a_temporary_cache_loads_and_refuses_a_foreign_isa(tmp_path)
   lib = kernels.load_library(library, kernels.cpu_flags())
   lib.QjaxGemvIsa.restype = ctypes.c_char_p
   assert lib.QjaxGemvIsa() == b'avx2'
+  # Loading it left the process's float mode alone: a -ffast-math link (crtfastmath.o) would
+  # have turned on flush-to-zero, and numpy would flush this subnormal to 0.
+  assert np.float32(1e-39) * np.float32(1) == np.float32(1e-39) != 0
   stamp = library.stat().st_mtime_ns
   assert _build.ensure(AVX2_CPU, tmp_path) == (library, 'cached')
   assert library.stat().st_mtime_ns == stamp  # not rebuilt
