@@ -1,7 +1,7 @@
 """Gemma 3 270M decode on XLA:CPU with and without the CPU kernel: ratios to f32.
 
     .venv/bin/python -m benchmarks.cpu_kernel_bench [--rows=f32,bf16,w4a8] [--steps=64]
-        [--repeats=3] [--modes=kernel,fallback]
+        [--repeats=3] [--modes=kernel,fallback] [--isa=avx2]
 
 Through the public API only: `load_gemma3_270m`, `quantize_model`, `greedy_generate`; a
 128-token prompt (Tiny Shakespeare), batch 1. Decode tokens/s = (steps - 1) / (time of
@@ -12,6 +12,8 @@ ratio is taken within one process. Rows: f32 and bf16 params; W4A8 / W8A8 (int4 
 per-channel weights with dynamic int8 activations) and weight-only int4 g128 / int8, every
 weight including the tied 262k-vocab head. Prints one markdown table and the kernel's
 `kernels.info()` per mode. ~6 min per mode on 2 idle cores (most of it loading and compiling).
+`--isa=avx2` runs both sides as on an AVX2-only CPU: XLA:CPU limited to AVX2
+(`--xla_cpu_max_isa=AVX2`) and the kernel built for the `avx2` level (`QJAX_KERNEL_ISA`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def main():
   p.add_argument('--modes', default=','.join(MODES))
   p.add_argument('--steps', type=int, default=64)
   p.add_argument('--repeats', type=int, default=3)
+  p.add_argument('--isa', default='', choices=('', 'avx2'),
+                 help='limit XLA:CPU and the kernel to this level (default: the CPU\'s best)')
   p.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
   a = p.parse_args()
   rows = [r for r in a.rows.split(',') if r]
@@ -93,6 +97,8 @@ def main():
     print(f'{mode}: QJAX_CPU_KERNEL={MODES[mode]}, load {os.getloadavg()}', file=sys.stderr,
           flush=True)
     env = dict(os.environ, QJAX_CPU_KERNEL=MODES[mode], XLA_FLAGS='')
+    if a.isa:
+      env.update(XLA_FLAGS=f'--xla_cpu_max_isa={a.isa.upper()}', QJAX_KERNEL_ISA=a.isa)
     r = subprocess.run([sys.executable, '-m', 'benchmarks.cpu_kernel_bench', '--child',
                         f'--rows={",".join(rows)}', f'--steps={a.steps}',
                         f'--repeats={a.repeats}'], env=env, stdout=subprocess.PIPE, check=True,

@@ -20,6 +20,11 @@
   a per-call f32 copy of the weight: the kernel at M = 1 (XLA's matrix-vector loop widens
   the weight: 11x f32 time), else bf16 x bf16 with f32 accumulation (XLA:CPU's fused kernel,
   0.8x f32 at M = 8, ahead of the kernel's 1.3x).
+* `DecodeWeights`: what the decode loops (`qjax.nn.generate`) run when XLA:CPU has no kernel:
+  an f32 copy of the model's bf16/f16 weights, made once per model and value (exact: every
+  bf16 value is an f32 value). No XLA:CPU form of a bf16 weight was measured at f32 speed
+  (docs/cpu_kernel.md), so without the kernel bf16 params decode as the f32 model does, at
+  the cost of 2 extra bytes per bf16 weight byte, which `cpu_decode_forms()` reports.
 """
 
 from __future__ import annotations
@@ -95,9 +100,53 @@ def cpu_decode_forms() -> dict:
                                  'fields concatenated into one dot per block (vblocked_einsum)',
         'W8A8/W4A8': 'XLA row tiles of int8 activations x codes (tiled_path); the head as V '
                      'blocks on the same int8 activations',
-        'bf16': 'XLA bf16 x bf16 -> f32 dot (one row padded to two)',
+        'bf16': 'decode loops: an f32 copy of the bf16/f16 weights made once per model '
+                '(DecodeWeights; 2 extra bytes per bf16 weight byte), f32 dots; a direct '
+                'layer call: XLA bf16 x bf16 -> f32 dot (one row padded to two)',
     }
   return {'kernel': info, 'decode_forms': forms}
+
+
+LOW_FLOATS = (jnp.bfloat16, jnp.float16)
+
+
+def widens_low_floats() -> bool:
+  """Whether decode loops run low-precision float weights as an f32 copy: XLA:CPU, no kernel."""
+  return jax.default_backend() == 'cpu' and not kernels.available()
+
+
+def _widen(a):
+  return a.astype(jnp.float32) if getattr(a, 'dtype', None) in LOW_FLOATS else a
+
+
+class DecodeWeights:
+  """A model's state as its decode loops run it: its own, or with bf16/f16 leaves in f32.
+
+  Without the CPU kernel, every XLA:CPU form of a bf16 weight times f32 activations at decode
+  shapes measured slower than the f32 model (0.86-0.91x for Gemma 3 270M; the weight inside a
+  loop 5-10x slower); with an f32 copy the step is the f32 model's. The copy is made once and
+  kept while the state's low-precision arrays are the same objects: a new value assigned to a
+  Variable (training, a reload) is seen at the next call and widened again. Elsewhere (a
+  kernel, GPU, TPU) the state is returned as it is. Widening is exact, and the results are
+  those of f32 activations times the exact bf16 weights, as on the kernel.
+  """
+
+  __slots__ = ('_has_low', '_sources', '_widened')
+
+  def __init__(self, state):
+    self._has_low = any(getattr(a, 'dtype', None) in LOW_FLOATS for a in jax.tree.leaves(state))
+    self._sources: Optional[list] = None
+    self._widened = None
+
+  def __call__(self, state):
+    """`state`, or its f32 copy (made now, or kept from a call with the same arrays)."""
+    if not self._has_low or not widens_low_floats():
+      return state
+    low = [a for a in jax.tree.leaves(state) if getattr(a, 'dtype', None) in LOW_FLOATS]
+    if self._sources is None or len(low) != len(self._sources) or any(
+        a is not b for a, b in zip(low, self._sources)):
+      self._widened, self._sources = jax.tree.map(_widen, state), low
+    return self._widened
 
 
 def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype,

@@ -21,6 +21,9 @@ Per-step host work is kept off the critical path (Gemma 3 270M decodes in ~40 ms
   them reach the next step; a change of structure (a replaced Variable or submodule, a new
   static attribute such as a KV format) is seen by a walk over the module attributes (~1 ms)
   and the model is split again.
+* On XLA:CPU without the kernel, bf16/f16 weights run as an f32 copy made once per model
+  (`qjax.core.decode_paths.DecodeWeights`): no XLA:CPU form of a bf16 weight decodes at f32
+  speed.
 * The graphdef is a static argument; jit hashes static arguments on every call (~2-5 ms for
   Gemma's graphdef), so it is passed in a wrapper that hashes once.
 * The overflow check needs every row's length on the host. A cache returned by these steps
@@ -41,6 +44,7 @@ from jax import lax
 import numpy as np
 from flax import nnx
 
+from qjax.core.decode_paths import DecodeWeights
 from qjax.nn import kvcache
 from qjax.nn import validate
 from qjax.nn.attention import kv_format
@@ -80,6 +84,7 @@ class _Split:
   static: _Static
   state: Any
   structure: list
+  weights: DecodeWeights
 
   def current(self, model) -> bool:
     now = _structure(model, [])[1:]
@@ -106,12 +111,12 @@ def _split(model: nnx.Module) -> tuple[_Static, Any]:
   key = id(model)
   hit = _SPLITS.get(key)
   if hit is not None and hit[0]() is model and hit[1].current(model):
-    return hit[1].static, hit[1].state
+    return hit[1].static, hit[1].weights(hit[1].state)
   graphdef, state = nnx.split(model)
   # Not the model itself ([1:]): the entry must not keep it alive (it is dropped with it).
-  entry = _Split(_Static(graphdef), state, _structure(model, [])[1:])
+  entry = _Split(_Static(graphdef), state, _structure(model, [])[1:], DecodeWeights(state))
   _SPLITS[key] = (weakref.ref(model, functools.partial(_forget, _SPLITS, key)), entry)
-  return entry.static, entry.state
+  return entry.static, entry.weights(entry.state)
 
 
 # id(cache.length) -> (weakref to that array, its values on the host): caches these steps
