@@ -17,9 +17,10 @@ import pytest
 pytest.importorskip('safetensors')
 
 from qjax.checkpoints import hf_config, load_hf, model_params  # noqa: E402
-from qjax.checkpoints.safetensors_io import INDEX_NAME, hf_shapes  # noqa: E402
+from qjax.checkpoints.safetensors_io import INDEX_NAME  # noqa: E402
 from qjax.nn import TransformerConfig  # noqa: E402
 from qjax.nn.rope import RopeScaling, inv_frequencies  # noqa: E402
+import hf_testdata  # noqa: E402
 
 BASE = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
             num_hidden_layers=2, vocab_size=40, intermediate_size=48, rms_norm_eps=1e-5,
@@ -117,30 +118,6 @@ def test_gemma3_sliding_layers_with_scaled_rope_are_refused():
         'sliding_attention': {'rope_type': 'linear', 'factor': 2.0, 'rope_theta': 1e4}}))
 
 
-def _write_hf(directory, hf_cfg: dict, params: dict, *, dtype=np.float32, shards: int = 1,
-              prefix: str = '') -> None:
-  """Write qjax params as a HF checkpoint (names and layouts per `hf_shapes`)."""
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-  directory.mkdir(parents=True, exist_ok=True)
-  (directory / 'config.json').write_text(json.dumps(hf_cfg))
-  cfg = hf_config(hf_cfg)
-  tensors = {}
-  for name, (shape, key, kind) in hf_shapes(cfg).items():
-    w = params[key].reshape(shape[::-1] if kind == 'linear' else shape)
-    w = w.T if kind == 'linear' else w
-    hf_name = prefix + name[len('model.'):] if name.startswith('model.') and prefix else name
-    tensors[hf_name] = np.ascontiguousarray(w.astype(dtype))
-  names = sorted(tensors)
-  weight_map = {}
-  for i in range(shards):
-    part = {n: tensors[n] for n in names[i::shards]}
-    fname = f'model-{i + 1:05d}-of-{shards:05d}.safetensors' if shards > 1 else 'model.safetensors'
-    save_file(part, str(directory / fname))
-    weight_map.update({n: fname for n in part})
-  if shards > 1:
-    (directory / INDEX_NAME).write_text(json.dumps({'metadata': {}, 'weight_map': weight_map}))
-
-
 def _random_params(cfg):
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from qjax.nn import Transformer  # pylint: disable=g-import-not-at-top
@@ -150,7 +127,7 @@ def _random_params(cfg):
 def test_sharded_bf16_checkpoint_loads_through_its_index(tmp_path):
   hf_cfg = _llama(tie_word_embeddings=False)
   params = _random_params(hf_config(hf_cfg))
-  _write_hf(tmp_path / 'ckpt', hf_cfg, params, dtype=ml_dtypes.bfloat16, shards=3)
+  hf_testdata.write_hf(tmp_path / 'ckpt', hf_cfg, params, dtype=ml_dtypes.bfloat16, shards=3)
   (tmp_path / 'ckpt' / 'stray.safetensors').write_bytes(b'not read: the index lists the shards')
   model, info = load_hf(tmp_path / 'ckpt')
   assert len(info['files']) == 3 and info['source_dtypes'] == ['bfloat16']
@@ -166,7 +143,7 @@ def test_multimodal_gemma3_text_tower_is_read_and_the_vision_tower_skipped(tmp_p
   from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
   text = _gemma3(num_hidden_layers=2, sliding_window=8)
   params = _random_params(hf_config(text))
-  _write_hf(tmp_path / 'g3', {'model_type': 'gemma3', 'text_config': text}, params,
+  hf_testdata.write_hf(tmp_path / 'g3', {'model_type': 'gemma3', 'text_config': text}, params,
             prefix='language_model.model.')
   path = tmp_path / 'g3' / 'model.safetensors'
   save_file(dict(load_file(path), **{'vision_tower.patch_embedding.weight':
@@ -187,7 +164,7 @@ def test_refusal_comes_before_any_weight_is_read(tmp_path):
 
 def test_dynamic_rope_refuses_a_context_past_max_position_embeddings(tmp_path):
   hf_cfg = _llama(rope_parameters=dict(rope_type='dynamic', factor=2.0))
-  _write_hf(tmp_path, hf_cfg, _random_params(hf_config(hf_cfg)))
+  hf_testdata.write_hf(tmp_path, hf_cfg, _random_params(hf_config(hf_cfg)))
   assert load_hf(tmp_path, max_len=32)[0].config.max_len == 32
   with pytest.raises(ValueError, match=r"max_len=128: .*'dynamic'.* pass max_len <= 64"):
     load_hf(tmp_path, max_len=128)
