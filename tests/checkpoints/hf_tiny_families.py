@@ -59,14 +59,15 @@ VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_att
               image_size=28, patch_size=14)
 
 
-def build(name: str, out: pathlib.Path, seed: int = 0):
-  """Save a tiny random HF model of spec `name` to `out`; returns the float32 HF model."""
+def build(name: str, out: pathlib.Path, seed: int = 0, **overrides):
+  """Save a tiny random HF model of spec `name` (config `overrides`) to `out`; returns the
+  float32 HF model."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   spec = SPECS[name]
   torch.manual_seed(seed)
   cfg_cls = getattr(transformers, spec['cfg'])
-  text = dict(COMMON, **spec['kw'])
+  text = dict(COMMON, **spec['kw'], **overrides)
   if spec.get('multimodal'):
     cfg = cfg_cls(text_config=text, vision_config=VISION, mm_tokens_per_image=4)
   else:
