@@ -2,7 +2,7 @@
 
     model, info = load_hf('path/to/dir')     # Llama 3.x, Mistral, Qwen 2/2.5/3, Gemma 2/3
 
-`hf_config.hf_config` maps config.json onto `TransformerConfig` and refuses what qjax cannot
+`hf_families.hf_config` maps config.json onto `TransformerConfig` and refuses what qjax cannot
 run before any weight is read; then every tensor's shape in the files is checked against the
 shape config.json implies. Sharded checkpoints (`model.safetensors.index.json`) are read
 through their index; bf16 / f16 / f32 tensors are converted via float32. Name map (torch
@@ -37,7 +37,7 @@ from typing import Optional
 
 import numpy as np
 
-from qjax.checkpoints.hf_config import (SUPPORTED_MODEL_TYPES, hf_config, rope_max_len,
+from qjax.checkpoints.hf_families import (SUPPORTED_MODEL_TYPES, hf_config, rope_max_len,
                                         text_config)
 from qjax.checkpoints.params import model_from_params, param_shapes
 from qjax.nn import Transformer, TransformerConfig

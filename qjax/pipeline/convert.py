@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 from typing import Optional
 
@@ -54,6 +55,27 @@ def source_files(source: str) -> list[str]:
   return files + weight_files(source)
 
 
+def _gguf_with_tokenizer(source: str, out: str, param_dtype: str):
+  """A Gemma 3 GGUF's model; its tokenizer (and chat template, end-of-turn id) into `out`."""
+  from qjax.checkpoints.gguf import meta_value  # pylint: disable=g-import-not-at-top
+  from qjax.checkpoints.tokenizer import gguf_tokenizer  # pylint: disable=g-import-not-at-top
+  reader = qckpt.open_gguf(source)
+  model, _ = qckpt.load_gguf(source, param_dtype=param_dtype, reader=reader)
+  tokenizer = gguf_tokenizer(source, reader=reader)
+  tokenizer.save(os.path.join(out, 'tokenizer.json'))
+  template = meta_value(reader, 'tokenizer.chat_template', None)
+  eos = int(meta_value(reader, 'tokenizer.ggml.eos_token_id'))
+  config = {'eos_token': tokenizer.id_to_token(eos)}
+  bos = meta_value(reader, 'tokenizer.ggml.bos_token_id', None)
+  if bos is not None:
+    config['bos_token'] = tokenizer.id_to_token(int(bos))
+  if template:
+    config['chat_template'] = str(template)
+  with open(os.path.join(out, 'tokenizer_config.json'), 'w', encoding='utf-8') as fh:
+    json.dump(config, fh, indent=1)
+  return model
+
+
 def load_source(source: str, out: str, param_dtype: str = 'float32', max_len: int = 0):
   """The float model of `source` with its tokenizer, whose files are copied into `out`.
 
@@ -74,9 +96,7 @@ def load_source(source: str, out: str, param_dtype: str = 'float32', max_len: in
     if not source.endswith('.gguf'):
       raise ValueError(f'config.source={source!r} is a file but not a .gguf; pass a HF '
                        'checkpoint directory or a Gemma 3 .gguf file.')
-    from qjax.checkpoints.tokenizer import gguf_tokenizer  # pylint: disable=g-import-not-at-top
-    model, info = qckpt.load_gguf(source, param_dtype=param_dtype)
-    gguf_tokenizer(source).save(os.path.join(out, 'tokenizer.json'))
+    model = _gguf_with_tokenizer(source, out, param_dtype)
     what = f'GGUF {os.path.basename(source)}'
   else:
     model, info = qckpt.load_hf(source, param_dtype=param_dtype, max_len=max_len or None)
