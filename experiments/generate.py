@@ -82,7 +82,8 @@ def main(argv):
       print(piece, end='', flush=True)
     seconds = time.perf_counter() - t0
     print(f'\n[{c.max_tokens} tokens max, {seconds:.1f} s incl. compilation on the first '
-          f'prompt; weights {c.checkpoint or c.weights}, KV {engine.cache.format}]', file=sys.stderr)
+          f'prompt; weights {c.checkpoint or c.weights}, KV {engine.cache.format}]',
+          file=sys.stderr)
 
 
 if __name__ == '__main__':

@@ -5,7 +5,8 @@
 """
 
 from qjax.checkpoints.records import (FIELD_TYPES, RECORD_NAME, REQUIRED_FIELDS,
-                                      check_tree_hashes, content_sha256, conversion_record, digest, file_sha256,
+                                      check_tree_hashes, content_sha256, conversion_record, digest,
+                                      file_sha256,
                                       hardware_info, read_record, record_sha256, runtime_info,
                                       tree_sha256, validate_record, write_record)
 from qjax.checkpoints.orbax_io import restore_state, save_state

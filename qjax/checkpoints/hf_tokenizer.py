@@ -95,8 +95,8 @@ class HFTokenizer:
     from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
     path = os.path.join(directory, 'tokenizer.json')
     if not os.path.isfile(path):
-      raise ValueError(f'{directory!r} has no tokenizer.json (it holds '
-                       f'{sorted(os.listdir(directory)) if os.path.isdir(directory) else "nothing"}); '
+      held = sorted(os.listdir(directory)) if os.path.isdir(directory) else 'nothing'
+      raise ValueError(f'{directory!r} has no tokenizer.json (it holds {held}); '
                        'qjax reads the fast-tokenizer file that HF checkpoints ship: copy it '
                        'from the checkpoint the model came from.')
     return cls(Tokenizer.from_file(path), directory)

@@ -17,7 +17,6 @@ import pytest
 pytest.importorskip('safetensors')
 
 from qjax.checkpoints import hf_config, load_hf, model_params  # noqa: E402
-from qjax.checkpoints.safetensors_io import INDEX_NAME  # noqa: E402
 from qjax.nn import TransformerConfig  # noqa: E402
 from qjax.nn.rope import RopeScaling, inv_frequencies  # noqa: E402
 import hf_testdata  # noqa: E402
