@@ -49,7 +49,7 @@ def write_tokenizer(directory, vocab_size: int, chat: bool = True) -> None:
   trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                 show_progress=False)
-  tok.train_from_iterator([corpus('tinyshakespeare')[:50_000]], trainer)
+  tok.train_from_iterator([corpus('tinyshakespeare')[:20_000]], trainer)
   tok.post_processor = processors.TemplateProcessing(
       single='<bos> $A', pair='<bos> $A $B', special_tokens=[('<bos>', tok.token_to_id('<bos>'))])
   tok.save(str(directory / 'tokenizer.json'))

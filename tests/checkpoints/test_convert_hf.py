@@ -1,7 +1,8 @@
 """Convert a tiny HF checkpoint (written without torch) and serve it: `qjax.pipeline.convert`.
 
 The checkpoint is a random qjax Llama under HF names with a byte-level BPE tokenizer and a
-chat template; the conversion is GPTQ int4 g16 calibrated on the vendored corpus. The
+chat template; the conversion is RTN int4 g16 (the calibration split it would give GPTQ is
+checked on its own, cheaply). The
 command-line runs of `experiments.convert` / `.serve` / `.generate` on checkpoints saved by
 HF transformers itself are in test_convert_cli.py (the reference extra).
 """
@@ -36,7 +37,7 @@ HF_CFG = dict(model_type='llama', hidden_act='silu', hidden_size=64, num_attenti
                                    original_max_position_embeddings=32))
 
 
-def tiny_config(source, out, method='gptq'):
+def tiny_config(source, out, method='rtn'):
   c = convert_config.get_config()
   c.source, c.out = str(source), str(out)
   c.quant.method, c.quant.bits, c.quant.group_size = method, 4, 16
@@ -59,14 +60,13 @@ def converted(tmp_path_factory):
 
 def test_convert_writes_weights_tokenizer_and_a_record_that_hashes_them(converted):
   source, out, row = converted
-  assert row['reload_bit_identical'] and row['name'] == 'gptq-int4-g16'
+  assert row['reload_bit_identical'] and row['name'] == 'rtn-int4-g16'
   assert row['weight_bytes'] < row['float_weight_bytes']
   record = read_record(str(out))  # verifies every artifact's sha256
   for name in ('tokenizer.json', 'tokenizer_config.json', 'generation_config.json'):
     assert (out / name).read_bytes() == (source / name).read_bytes()
     assert name in record['artifacts']
   assert set(record['base_checkpoint']['files']) == {'config.json', 'model.safetensors'}
-  assert record['calibration']['data']['token_sha256']
   assert record['model_config']['rope_scaling']['kind'] == 'llama3'
   (out / 'tokenizer_config.json').write_text('{}')  # an edited artifact is refused
   with pytest.raises(ValueError, match="artifact 'tokenizer_config.json'.*modified"):
@@ -77,7 +77,7 @@ def test_convert_writes_weights_tokenizer_and_a_record_that_hashes_them(converte
 def test_converted_checkpoint_serves_text_and_chat_with_the_engine(converted):
   _, out, _ = converted
   model, tok, record = convert.load_converted(str(out))
-  assert record['method'] == 'gptq' and tok.stop_ids == (2, 4)
+  assert record['method'] == 'rtn' and tok.stop_ids == (2, 4)
   rendered = tok.render_chat([{'role': 'user', 'content': 'Hi'}])
   assert rendered == '<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n'
   ids = tok.chat('Hi')
@@ -88,6 +88,21 @@ def test_converted_checkpoint_serves_text_and_chat_with_the_engine(converted):
   outs = engine.generate([ids, 'To be, or not to be'], params)
   assert all(1 <= len(o) <= 6 for o in outs)
   assert np.all(np.asarray(outs[1]) < VOCAB) and isinstance(tok.decode(outs[1]), str)
+
+
+def test_calibration_windows_come_after_the_evaluation_windows_and_start_with_bos(converted):
+  from qjax.pipeline import calibration_set  # pylint: disable=g-import-not-at-top
+  source, _, _ = converted
+  tok = HFTokenizer.from_dir(str(source))
+  c = tiny_config(source, '')
+  data, windows = convert.corpus_data(tok, c.corpus, c.eval.seq_len, c.eval.windows)
+  assert windows.shape == (6, 33) and np.all(windows[:, 0] == 1)  # <bos>
+  ids = np.asarray(tok.encode(convert.corpus(c.corpus), add_special_tokens=False))
+  np.testing.assert_array_equal(windows[:, 1:], ids[:6 * 33].reshape(6, 33)[:, 1:])
+  np.testing.assert_array_equal(data.train, ids[6 * 33:])  # disjoint from evaluation
+  calib, desc = calibration_set(c.calib, data)
+  assert calib.shape == (8, 32) and np.all(calib[:, 0] == 1) and 'BOS' in desc
+  assert 'training split' in desc
 
 
 def test_bad_sources_are_refused_by_name(tmp_path, converted):
