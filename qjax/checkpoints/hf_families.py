@@ -57,8 +57,19 @@ def _refuse(msg: str):
   raise ValueError(f'config.json: {msg}')
 
 
+# The released multimodal Gemma 3 config.json files write only the text keys that differ
+# from transformers' Gemma3TextConfig defaults (4B: hidden_size, intermediate_size, layers,
+# rope_scaling, sliding_window); transformers fills in the rest from those defaults, as here.
+_GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+    max_position_embeddings=131_072, rms_norm_eps=1e-6, sliding_window=4096,
+    hidden_activation='gelu_pytorch_tanh', rope_theta=1_000_000.0, rope_local_base_freq=10_000.0)
+
+
 def text_config(c: dict) -> dict:
-  """The language model's config: `text_config` of a multimodal Gemma 3, else `c`."""
+  """The language model's config: `text_config` of a multimodal Gemma 3 (absent keys at
+  transformers' defaults), else `c`."""
   if c.get('model_type') != 'gemma3':
     return c
   text = c.get('text_config')
@@ -66,6 +77,10 @@ def text_config(c: dict) -> dict:
     _refuse("model_type 'gemma3' without a text_config object; take the config.json saved "
             'with the weights.')
   text = dict(text, model_type='gemma3_text')
+  if not isinstance(text.get('rope_parameters'), dict):  # the older rope keys: defaults apply
+    text = {**_GEMMA3_TEXT_DEFAULTS, **text}
+  else:
+    text = {**{k: v for k, v in _GEMMA3_TEXT_DEFAULTS.items() if 'rope' not in k}, **text}
   text.setdefault('tie_word_embeddings', c.get('tie_word_embeddings', True))
   return text
 

@@ -8,8 +8,9 @@
 The chat template is read from `chat_template.jinja` (what transformers 5 saves) or the
 `chat_template` entry of `tokenizer_config.json` (a string, or a list of named templates of
 which 'default' is taken), and rendered with jinja2 the way transformers renders it (a
-sandboxed environment, `trim_blocks` and `lstrip_blocks`, `add_generation_prompt=True`, the
-special tokens as variables). The rendered text already holds the BOS the template writes, so
+sandboxed environment, `trim_blocks` and `lstrip_blocks`, loop controls, a `tojson` that does
+not escape HTML, `raise_exception` and `strftime_now`, `{% generation %}` blocks rendered as
+their body, `tools=None`, `add_generation_prompt=True`, the special tokens as variables). The rendered text already holds the BOS the template writes, so
 it is encoded without the tokenizer's special tokens.
 """
 
@@ -52,6 +53,23 @@ def _token_text(value) -> Optional[str]:
   if isinstance(value, dict):
     return value.get('content')
   return value if isinstance(value, str) else None
+
+
+def _generation_block():
+  """A jinja2 extension rendering `{% generation %}...{% endgeneration %}` as its body (the
+  tag transformers uses to mark assistant text for training masks)."""
+  from jinja2 import nodes  # pylint: disable=g-import-not-at-top
+  from jinja2.ext import Extension  # pylint: disable=g-import-not-at-top
+
+  class GenerationBlock(Extension):
+    tags = {'generation'}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(['name:endgeneration'], drop_needle=True)
+      return nodes.Scope(body, lineno=lineno)
+
+  return GenerationBlock
 
 
 class HFTokenizer:
@@ -122,15 +140,25 @@ class HFTokenizer:
       raise ValueError(f'{self.name}: no chat template (neither chat_template.jinja nor a '
                        "'chat_template' in tokenizer_config.json): a base model; run without "
                        '--config.chat=True or use the instruction-tuned checkpoint.')
+    import datetime  # pylint: disable=g-import-not-at-top
+    import jinja2.ext  # pylint: disable=g-import-not-at-top
     from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=g-import-not-at-top
 
     def raise_exception(message):
       raise ValueError(f'{self.name}: the chat template refused the messages: {message}')
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals['raise_exception'] = raise_exception
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+      return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                        sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_generation_block(), jinja2.ext.loopcontrols])
+    env.filters['tojson'] = tojson
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
     return env.from_string(self.chat_template).render(
-        messages=list(messages), add_generation_prompt=True, **self.special)
+        messages=list(messages), tools=None, documents=None, add_generation_prompt=True,
+        **self.special)
 
   def chat(self, prompt: str, system: Optional[str] = None) -> list[int]:
     """Token ids of a one-turn chat: `prompt` as the user's message, the reply to follow."""

@@ -167,3 +167,15 @@ def test_dynamic_rope_refuses_a_context_past_max_position_embeddings(tmp_path):
   assert load_hf(tmp_path, max_len=32)[0].config.max_len == 32
   with pytest.raises(ValueError, match=r"max_len=128: .*'dynamic'.* pass max_len <= 64"):
     load_hf(tmp_path, max_len=128)
+
+
+def test_multimodal_gemma3_text_keys_absent_from_config_json_take_the_defaults():
+  # What google/gemma-3-4b-it's config.json writes under text_config.
+  text = dict(hidden_size=2560, intermediate_size=10240, model_type='gemma3_text',
+              num_hidden_layers=34, rope_scaling={'factor': 8.0, 'rope_type': 'linear'},
+              sliding_window=1024)
+  cfg = hf_config({'model_type': 'gemma3', 'text_config': text})
+  assert (cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (262_208, 8, 4, 256)
+  assert cfg.global_every == 6 and cfg.sliding_window == 1024 and cfg.max_len == 131_072
+  assert cfg.rope_for(5) == (1e6, RopeScaling('linear', 8.0)) and cfg.rope_for(0) == (1e4, None)
+  assert cfg.query_scale == 256 ** -0.5 and cfg.tie_embeddings
