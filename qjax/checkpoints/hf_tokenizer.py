@@ -10,8 +10,9 @@ The chat template is read from `chat_template.jinja` (what transformers 5 saves)
 which 'default' is taken), and rendered with jinja2 the way transformers renders it (a
 sandboxed environment, `trim_blocks` and `lstrip_blocks`, loop controls, a `tojson` that does
 not escape HTML, `raise_exception` and `strftime_now`, `{% generation %}` blocks rendered as
-their body, `tools=None`, `add_generation_prompt=True`, the special tokens as variables). The rendered text already holds the BOS the template writes, so
-it is encoded without the tokenizer's special tokens.
+their body, `tools=None`, `add_generation_prompt=True`, the special tokens as variables).
+The rendered text already holds the BOS the template writes, so it is encoded without the
+tokenizer's special tokens.
 """
 
 from __future__ import annotations
