@@ -179,3 +179,18 @@ def test_multimodal_gemma3_text_keys_absent_from_config_json_take_the_defaults()
   assert cfg.global_every == 6 and cfg.sliding_window == 1024 and cfg.max_len == 131_072
   assert cfg.rope_for(5) == (1e6, RopeScaling('linear', 8.0)) and cfg.rope_for(0) == (1e4, None)
   assert cfg.query_scale == 256 ** -0.5 and cfg.tie_embeddings
+
+
+def test_scaled_rope_keeps_relative_positions_and_applies_the_attention_factor():
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from qjax.nn import apply_rope  # pylint: disable=g-import-not-at-top
+  yarn = RopeScaling('yarn', 4.0, original_max_len=32, attention_factor=1.25)
+  rng = np.random.default_rng(0)
+  q, k = (jnp.asarray(rng.standard_normal((1, 1, 1, 16)), jnp.float32) for _ in range(2))
+  rot = lambda x, p, s=yarn: apply_rope(x, jnp.full((1, 1), p), 1e4, s)[0, 0, 0]
+  dot = lambda m, n: float(jnp.dot(rot(q, m), rot(k, n)))
+  assert dot(50, 7) == pytest.approx(dot(143, 100), rel=1e-4)  # depends on m - n only
+  assert float(jnp.linalg.norm(rot(q, 9))) == pytest.approx(
+      1.25 * float(jnp.linalg.norm(q)), rel=1e-5)
+  linear = RopeScaling('linear', 4.0)  # position interpolation: position p acts as p / 4
+  np.testing.assert_allclose(rot(q, 40, linear), rot(q, 10, None), rtol=1e-5, atol=1e-6)
