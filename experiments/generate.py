@@ -18,7 +18,8 @@ from ml_collections import config_flags
 
 from qjax import infer
 from qjax.core import int_format
-from qjax.nn import QuantPolicy, QuantRule, Transformer, TransformerConfig, quantize_model
+from qjax.nn import (QuantPolicy, QuantRule, Transformer, TransformerConfig, kv_format,
+                     quantize_model)
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/engine_generate.py',
                                           lock_config=True)
@@ -66,7 +67,9 @@ def main(argv):
     policy = QuantPolicy((QuantRule('embed', exempt=True), QuantRule('.*', WEIGHTS[c.weights])))
     model, _ = quantize_model(model, policy)
   engine_cfg = dict(c.engine, max_len=min(c.engine.max_len, model.config.max_len))
-  engine = infer.Engine(model, infer.EngineConfig(kv_format=c.kv_format or None, **engine_cfg),
+  # A checkpoint converted with a KV format (--config.quant.kv) serves in that format.
+  kv = None if c.checkpoint and kv_format(model) is not None else c.kv_format or None
+  engine = infer.Engine(model, infer.EngineConfig(kv_format=kv, **engine_cfg),
                         tokenizer=tok)
   stop = tuple(getattr(tok, 'stop_ids', ()))
   prompts = _PROMPT.value or (line.rstrip('\n') for line in sys.stdin)
