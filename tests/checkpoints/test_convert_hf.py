@@ -125,17 +125,16 @@ def test_bad_sources_are_refused_by_name(tmp_path, converted):
   assert os.path.isfile(source / 'tokenizer.json')
 
 
-def test_a_gemma_gguf_converts_with_its_tokenizer(tmp_path, monkeypatch):
+def test_a_gemma_gguf_source_brings_its_tokenizer_bos_and_eos(tmp_path, monkeypatch):
   pytest.importorskip('gguf')
   import gguf_testdata as td  # pylint: disable=g-import-not-at-top
   monkeypatch.setenv('QJAX_CACHE_DIR', str(tmp_path / 'cache'))
   cfg = td.tiny_config(d_model=64, head_dim=32)
   td.write_gguf(tmp_path / 'tiny.gguf', cfg, td.random_params(cfg))
-  c = tiny_config(tmp_path / 'tiny.gguf', tmp_path / 'out', method='rtn')
-  c.quant.bits, c.quant.group_size = 8, 0
-  row = convert.convert(c, log=lambda s: None)
-  assert row['reload_bit_identical'] and row['name'] == 'rtn-int8-channel'
-  model, tok, record = convert.load_converted(str(tmp_path / 'out'))
-  assert record['base_checkpoint']['files'].keys() == {'tiny.gguf'}
-  assert tok.stop_ids == (1,) and tok.encode('ab')[0] == 2  # the GGUF's eos and BOS
+  model, tok, base, what = convert.load_source(str(tmp_path / 'tiny.gguf'),
+                                               str(tmp_path / 'out'))
+  assert base['files'].keys() == {'tiny.gguf'} and what.startswith('GGUF tiny.gguf')
+  assert sorted(os.listdir(tmp_path / 'out')) == ['tokenizer.json', 'tokenizer_config.json']
+  assert tok.stop_ids == (1,) and tok.encode('ab')[0] == 2 == convert.bos_id(tok)
+  assert tok.chat_template is None  # the tiny GGUF has none
   assert model.config.sliding_window == cfg.sliding_window
