@@ -104,7 +104,7 @@ def _check_family(c: dict) -> str:
     if c.get(flag):
       _refuse(f'{flag}=true is not supported (qjax has biases only on q/k/v, as in Qwen2, '
               'and causal attention only).')
-  if float(c.get('partial_rotary_factor', 1.0)) != 1.0:
+  if float(c.get('partial_rotary_factor') or 1.0) != 1.0:
     _refuse(f"partial_rotary_factor={c['partial_rotary_factor']} is not supported (RoPE on "
             'the whole head only).')
   missing = [k for k in _REQUIRED_KEYS if k not in c]
@@ -175,7 +175,7 @@ def _scaling(r: dict, c: dict) -> tuple[Optional[RopeScaling], Optional[int]]:
   if unknown:
     _refuse(f'rope parameters {unknown} (rope_type {kind!r}) are not supported; qjax reads '
             f'{sorted(_ROPE_KEYS)}.')
-  if float(r.get('partial_rotary_factor', 1.0)) != 1.0:
+  if float(r.get('partial_rotary_factor') or 1.0) != 1.0:
     _refuse(f"partial_rotary_factor={r['partial_rotary_factor']} is not supported (RoPE on "
             'the whole head only).')
   max_pos = int(c.get('max_position_embeddings', 2048))

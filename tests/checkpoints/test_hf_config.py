@@ -106,6 +106,8 @@ def test_config_with_rope_scaling_survives_a_json_round_trip():
     (dict(hidden_act='gelu'), "hidden_act 'gelu'"),
 ])
 def test_unsupported_options_are_refused_by_name(changes, match):
+  hf_config(_llama(partial_rotary_factor=None, rope_parameters={'rope_type': 'default',
+                                                                'partial_rotary_factor': 1.0}))
   with pytest.raises(ValueError, match=match):
     hf_config(_llama(**changes))
 
