@@ -39,7 +39,8 @@ Compute paths (`path=`):
   per-channel scales applied to the result, grouped ones as a fused dequantize
   (`qjax.core.native_path`). Weight-only semantics.
 * `'pallas'` (opt-in): a Pallas kernel for 2-D-able int8 / int4 weights with the dequantize
-  inside the kernel (`qjax.kernels.pallas_qmm`); interpret mode on CPU. Not a default until
+  inside the kernel (`qjax.core.pallas_path`, `qjax.kernels.pallas_qmm`); interpret mode
+  on CPU. Not a default until
   measured on a device (docs/quantized_matmul.md).
 
 * `'kernel'` (CPU, optional): the jax.ffi kernel of `qjax.kernels` (int8 / packed int4,
@@ -85,6 +86,7 @@ from qjax import kernels
 from qjax.core import decode_paths
 from qjax.core import layouts
 from qjax.core import native_path
+from qjax.core import pallas_path
 from qjax.core import tiled_path as tiled
 from qjax.core.formats import QFormat
 from qjax.core.qarray import QArray, QType, dequantize
@@ -172,8 +174,7 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
   if path == 'native':
     return native_path.native_einsum(xs, ws, out, x, w, out_dtype)
   if path == 'pallas':
-    from qjax.kernels import pallas_qmm  # pylint: disable=import-outside-toplevel
-    return pallas_qmm.pallas_einsum(xs, ws, out, x, w, out_dtype)
+    return pallas_path.pallas_einsum(xs, ws, out, x, w, out_dtype)
   if path == 'tiled':
     if auto and jax.default_backend() == 'cpu':
       y = decode_paths.kernel_einsum(xs, ws, out, x, w, out_dtype)  # decode shapes

@@ -82,7 +82,8 @@ class QdotTest(chex.TestCase):
     assert qjax.choose_path(f4, None, 'cpu') == 'tiled'
     assert qjax.choose_path(fp8_format(), None, 'cpu') == 'tiled'
     assert qjax.choose_path(int_format(8), int_format(8), 'cpu') == 'int8'
-    assert qjax.choose_path(f4, None, 'gpu') == 'dequant'
+    assert qjax.choose_path(f4, None, 'gpu', layout='native') == 'native'  # GPU/TPU default
+    assert qjax.choose_path(f4, None, 'gpu', layout='packed') == 'dequant'
     assert qjax.choose_path(f4, int_format(8), 'tpu') == 'int8'
     assert qjax.choose_path(fp8_format(), fp8_format(), 'gpu') == 'fp8'
 
