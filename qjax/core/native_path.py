@@ -11,13 +11,14 @@ inside the matmul (the GPU Triton GEMM fusion and the TPU MXU operand load take 
   rounding is x's own and the f32 sum's: the float reference `x . dequantize(w)` up to
   summation order and the rounding of the dequantized weight.
 * scales that vary along a contracted axis (groups, including groups that span flattened
-  contracted axes, e.g. o_proj's N*H): `x . dequantize(w)`, the dequantize being a convert
-  of the native codes and a broadcast multiply (in f32, cast to the activation dtype)
-  feeding the dot, with no unpacking arithmetic.
-  That is the pattern XLA:GPU fuses into the GEMM with
-  `--xla_gpu_experimental_enable_subchannel_dequantisation_fusion` (docs/quantized_matmul.md);
-  without the flag XLA may materialise the dequantized weight, which the device check
-  measures. With f32 activations it equals the 'dequant' path bit for bit.
+  contracted axes, e.g. o_proj's N*H): `x . ((codes - z) * s)` in the activation dtype,
+  with no unpacking arithmetic, written as the sequence (`[K/G, N] scale -> broadcast
+  [K/G, G, N] -> bitcast [K, N] -> multiply(convert(codes)) -> dot`) that XLA:GPU fuses
+  into the GEMM with `--xla_gpu_experimental_enable_subchannel_dequantisation_fusion`
+  (docs/quantized_matmul.md); without the flag XLA may materialise the dequantized weight,
+  which the device check measures. With f32 activations it equals the 'dequant' path bit for bit; with bf16 ones
+  the scale is rounded to bf16 before the product (the 'dequant' path rounds the f32
+  product), within one bf16 rounding of it.
 
 A packed QArray multiplied with `path='native'` is unpacked first (`QArray.codes`): correct,
 but that unpack is what the native layout exists to avoid, so `path='auto'` never does it.
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 
 from qjax.core import numerics
 from qjax.core.decode_paths import matrix_einsum
-from qjax.core.qarray import QArray, dequantize
+from qjax.core.qarray import QArray
 
 
 def native_codes(w: QArray) -> jax.Array:
@@ -59,8 +60,13 @@ def native_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray,
   codes = native_codes(w)
   contracted = [i for i, c in enumerate(ws) if c in xs and c not in out]
   if any(w.scale.shape[i] > 1 for i in contracted):
-    # Grouped: convert * broadcast(scale) (f32, as `dequantize`), cast, then the dot.
-    return matrix_einsum(spec, xc, dequantize(w, cdt), jnp.float32).astype(out_dtype)
+    # Grouped: convert(codes) * bitcast(broadcast(scale)) in the compute dtype, then the dot:
+    # the HLO sequence XLA:GPU's subchannel dequantisation fusion matches.
+    v = codes.astype(cdt)
+    if w.zero_point is not None:
+      v = v - numerics.broadcast_scale(w.zero_point.astype(cdt), w.shape)
+    wd = v * numerics.broadcast_scale(w.scale.astype(cdt), w.shape)
+    return matrix_einsum(spec, xc, wd, jnp.float32).astype(out_dtype)
   acc = matrix_einsum(spec, xc, codes.astype(cdt), jnp.float32)
   kept_axes = [i for i in range(w.ndim) if i not in contracted]
   kept = ''.join(ws[i] for i in kept_axes)

@@ -4,8 +4,10 @@ The kernel multiplies x (M, K) by symmetric int8 codes (K, N) or packed int4 byt
 with one scale row per group of K rows. A weight fits when its spec is x (M, K) @ w (K, N)
 with the weight's axes (contracted..., kept...) (`tiled_path.canonical_axes`, a free reshape
 of the storage), its groups are runs of the flattened contraction (o_proj's N*H included),
-and its scales are per channel or per tensor along the kept axes. Anything else raises: the
-path is opt-in, so a weight it cannot take is the caller's to route elsewhere.
+and its scales are per channel or per tensor along the kept axes, at decode shapes (at most
+`pallas_qmm.MAX_ROWS` rows). `pallas_einsum` raises for anything else; `qeinsum(path='pallas')`
+asks `fits` first and gives the rest (prefill, the tied head, asymmetric or fp8 weights) to
+the path 'auto' takes for weight-only, as 'tiled' gives what it cannot express to 'dequant'.
 """
 
 from __future__ import annotations
@@ -42,9 +44,14 @@ def _operands(xs, ws, out, w: QArray):
   return a, w.data.reshape(k, -1), s_gn.reshape(sk, n)
 
 
-def fits(xs: str, ws: str, out: str, w: QArray) -> bool:
-  """Whether `qeinsum(..., path='pallas')` can multiply `w` under this spec."""
-  return not isinstance(_operands(xs, ws, out, w), str)
+def fits(xs: str, ws: str, out: str, x: jax.Array, w: QArray) -> bool:
+  """Whether the kernel takes `w` under this spec, at x's number of rows."""
+  from qjax.kernels import pallas_qmm  # pylint: disable=import-outside-toplevel
+  ops = _operands(xs, ws, out, w)
+  if isinstance(ops, str):
+    return False
+  rows = math.prod(d for c, d in zip(xs, x.shape) if c not in ws[:ops[0]])
+  return rows <= pallas_qmm.MAX_ROWS
 
 
 def pallas_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype,

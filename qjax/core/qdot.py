@@ -38,7 +38,8 @@ Compute paths (`path=`):
   int8 / fp8, `qjax.core.layouts`) fed to `dot_general`, converted inside the matmul by XLA;
   per-channel scales applied to the result, grouped ones as a fused dequantize
   (`qjax.core.native_path`). Weight-only semantics.
-* `'pallas'` (opt-in): a Pallas kernel for 2-D-able int8 / int4 weights with the dequantize
+* `'pallas'` (opt-in): a Pallas kernel for 2-D-able symmetric int8 / packed int4 weights at
+  decode shapes (M <= 64 rows; the rest take the weight-only 'auto' path) with the dequantize
   inside the kernel (`qjax.core.pallas_path`, `qjax.kernels.pallas_qmm`); interpret mode
   on CPU. Not a default until
   measured on a device (docs/quantized_matmul.md).
@@ -174,7 +175,11 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
   if path == 'native':
     return native_path.native_einsum(xs, ws, out, x, w, out_dtype)
   if path == 'pallas':
-    return pallas_path.pallas_einsum(xs, ws, out, x, w, out_dtype)
+    if pallas_path.fits(xs, ws, out, x, w):
+      return pallas_path.pallas_einsum(xs, ws, out, x, w, out_dtype)
+    path = choose_path(qt)  # prefill rows, or a weight the kernel does not take
+    if path == 'native':
+      return native_path.native_einsum(xs, ws, out, x, w, out_dtype)
   if path == 'tiled':
     if auto and jax.default_backend() == 'cpu':
       y = decode_paths.kernel_einsum(xs, ws, out, x, w, out_dtype)  # decode shapes

