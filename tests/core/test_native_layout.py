@@ -163,3 +163,14 @@ def test_relayout_converts_every_qarray_in_a_tree():
   assert out['b'] is tree['b']
   assert isinstance(layouts.relayout(out, 'packed')['a'], QArray)
   assert layouts.relayout(out, 'packed')['a'].data.dtype == jnp.uint8
+
+
+@pytest.mark.backend('gpu', 'tpu', reason='XLA:GPU/TPU fuse the s4 -> bf16 convert into the '
+                     'dot; XLA:CPU widens the weight first (docs/quantized_matmul.md)')
+def test_no_float_weight_in_the_compiled_native_matmul():
+  w = jax.random.normal(K[0], (2048, 2048)) / 32
+  q = layouts.to_layout(quantize(w, int_format(4, channel_axes=(1,))), 'native')
+  x = jnp.ones((16, 2048), jnp.bfloat16)
+  compiled = jax.jit(lambda x, q: qjax.qdot(x, q, path='native')).lower(x, q).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp < w.size * 2, f'{temp} temp bytes: a bf16 copy of the weight is materialised'
