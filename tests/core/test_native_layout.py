@@ -91,23 +91,32 @@ def test_auto_path_per_backend_and_layout():
 
 class NativePathTest(chex.TestCase):
 
-  @chex.variants(with_jit=True, without_jit=True)
   def test_native_equals_packed_and_float64_reference(self):
-    for m in (1, 64):  # decode and prefill rows
-      x = jax.random.normal(K[1], (m, 256))
-      for fmt in FORMATS:
-        q = quantize(W_DF, fmt)
-        n = layouts.to_layout(q, 'native')
+    for fmt in FORMATS:
+      q = quantize(W_DF, fmt)
+      n = layouts.to_layout(q, 'native')
+      for m in (1, 64):  # decode and prefill rows
+        x = jax.random.normal(K[1], (m, 256))
         ref = _ref64(x, q)
-        f = self.variant(lambda x, w, p: qjax.qdot(x, w, path=p), static_argnums=2)
-        y_packed = np.asarray(f(x, q, 'dequant'))
-        for w in (n, q):
-          y = np.asarray(f(x, w, 'native'))
-          np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4, err_msg=fmt.name)
-          np.testing.assert_allclose(y, y_packed, rtol=1e-4, atol=1e-4, err_msg=fmt.name)
-        # The CPU default runs native codes too (the tiled path reads one code per element;
-        # bf16 tiles at M >= 2 where the CPU has bf16 dots: ~50 dB, as for packed codes).
-        assert float(qjax.sqnr_db(ref, f(x, n, 'auto'))) > 45.0, fmt.name
+        y = np.asarray(qjax.qdot(x, n, path='native'))
+        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4, err_msg=fmt.name)
+        if m == 1:
+          np.testing.assert_allclose(y, qjax.qdot(x, q, path='dequant'), rtol=1e-4, atol=1e-4,
+                                     err_msg=fmt.name)
+          np.testing.assert_allclose(y, qjax.qdot(x, q, path='native'), rtol=1e-4, atol=1e-4,
+                                     err_msg=fmt.name)
+        else:
+          # The CPU default runs native codes too (the tiled path reads one code per element;
+          # bf16 tiles at M >= 2 where the CPU has bf16 dots: ~50 dB, as for packed codes).
+          assert float(qjax.sqnr_db(ref, qjax.qdot(x, n))) > 45.0, fmt.name
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_native_path_under_jit(self):
+    x = jax.random.normal(K[1], (4, 256))
+    for fmt in (FORMATS[1], FORMATS[3]):  # per-channel and grouped, both asymmetric
+      n = layouts.to_layout(quantize(W_DF, fmt), 'native')
+      y = self.variant(lambda x, w: qjax.qdot(x, w, path='native'))(x, n)
+      np.testing.assert_allclose(y, _ref64(x, n), rtol=1e-4, atol=1e-4, err_msg=fmt.name)
 
   def test_bf16_activations_stay_within_bf16_rounding(self):
     x = jax.random.normal(K[1], (8, 256))
