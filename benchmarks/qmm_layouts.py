@@ -14,6 +14,7 @@ only the ratios of one run mean anything.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 import jax
@@ -41,17 +42,17 @@ def main(argv=None) -> dict:
         f'{os.cpu_count()} cpus; weight {a.k}x{a.n} int4 g128; float dot in {jnp.dtype(fdt).name}')
   print(f'bytes: float {wf.nbytes:,}, packed {packed.nbytes:,}, native {native.nbytes:,} '
         f'(int4 takes {qjax.core.qarray.int4_bits()} bits a code on this backend)')
+  qd = jax.jit(qjax.qdot, static_argnames=('path',))
   out = {}
   for m in (int(v) for v in a.ms.split(',')):
     x = jax.random.normal(jax.random.key(1), (m, a.k), fdt)
-    qd = jax.jit(qjax.qdot, static_argnames=('path',))
     calls = {'float dot': (jax.jit(jnp.dot), (x, wf)),
-             'packed auto': (lambda x, q: qd(x, q, path='auto'), (x, packed)),
-             'native auto': (lambda x, q: qd(x, q, path='auto'), (x, native)),
-             'native native': (lambda x, q: qd(x, q, path='native'), (x, native)),
-             'packed dequant': (lambda x, q: qd(x, q, path='dequant'), (x, packed))}
+             'packed auto': (functools.partial(qd, path='auto'), (x, packed)),
+             'native auto': (functools.partial(qd, path='auto'), (x, native)),
+             'native native': (functools.partial(qd, path='native'), (x, native)),
+             'packed dequant': (functools.partial(qd, path='dequant'), (x, packed))}
     if backend != 'cpu' and m <= 64:
-      calls['packed pallas'] = (lambda x, q: qd(x, q, path='pallas'), (x, packed))
+      calls['packed pallas'] = (functools.partial(qd, path='pallas'), (x, packed))
     res = _time_round_robin(calls, a.reps)
     out[m] = {k: r for k, (_, r) in res.items()}
     print(f'M={m}: ' + ', '.join(f'{k} {r:.2f}x' for k, r in out[m].items()))

@@ -127,7 +127,7 @@ def _smoothquant_stage(ctx, stage, prefix, todo, st):
 def _llm_int8_convert(ctx: WalkState) -> None:
   """Make every matched stage Einsum run LLM.int8() (no calibration needed)."""
   keep = ctx.opts['outlier_weights'] == 'float'
-  for key, (stage, prefix) in stage_keys(ctx.model).items():
+  for stage, prefix in stage_keys(ctx.model).values():
     for p in (prefix + q for q in stage.layers if prefix + q in ctx.fmts):
       llm_int8.convert_layer(module_at(ctx.qmodel, p), ctx.opts['threshold'],
                              ctx.float_weight(p) if keep else None)
@@ -156,7 +156,7 @@ def _process(ctx: WalkState, method: str, stage: Stage, prefix: str, module, fwd
     msg = (f'{todo[0]}: {st.count} calibration tokens for {rows} input channels; H is rank-'
            'deficient (damping keeps it invertible) and the fit may not generalise: calibrate '
            'on more tokens than the widest layer input')
-    warnings.warn(msg)
+    warnings.warn(msg, stacklevel=2)
     ctx.notes.append(msg)
   _STAGE_FNS[method](ctx, stage, prefix, todo, st)
 
@@ -206,8 +206,9 @@ def apply_method(model: Transformer, policy: QuantPolicy, method: str, calib_tok
   layout = layouts.check_layout(layout, 'apply_method')
   qmodel, report = quantize_model(model, policy, layout='packed')
   if method == 'rtn':
-    return relayout_model(qmodel, layout), report, {'method': 'rtn', 'data': None, 'procedure': _procedure('rtn', opts),
-                            'seconds': time.perf_counter() - t0}
+    return relayout_model(qmodel, layout), report, {
+        'method': 'rtn', 'data': None, 'procedure': _procedure('rtn', opts),
+        'seconds': time.perf_counter() - t0}
   if not isinstance(model, Transformer):
     raise ValueError(f'apply_method: expected a qjax.nn.Transformer, got {type(model).__name__}; '
                      'the walk (block inputs, stages, fold targets) is written for it.')

@@ -4,12 +4,14 @@ calibration, qdot, fake quantization and learned (LSQ / PACT) quantization param
 __all__ = [
     "LAYOUT_VERSION", "QArray", "QFormat", "QType", "absmax_range", "broadcast_scale",
     "check_finite", "choose_path", "compute_range", "conversion_range", "dequantize",
-    "estimate_nbytes", "fake_quant", "fake_quant_view", "fake_round", "first_of_tiles", "fp8_format",
+    "estimate_nbytes", "fake_quant", "fake_quant_view", "fake_round", "first_of_tiles",
+    "fp8_format",
     "from_codes", "init_learned", "int_format", "learned_fake_quant", "learned_qparams",
     "learned_range", "max_abs_error", "minmax_range", "mse", "mse_range", "nbytes", "pact_clip",
     "pack", "packed_length", "percentile_range", "qdot", "qeinsum", "quantize", "range_for",
     "round_ste", "scale_and_zero_point", "scale_shape", "sqnr_db", "tile_shape", "tiled",
-    "unpack", "default_layout", "relayout", "to_layout",
+    "unpack",
+    "default_layout", "relayout", "to_layout",  # qjax.core.layouts
     "float_einsum",  # qjax.core.decode_paths
 ]
 

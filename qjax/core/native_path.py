@@ -16,9 +16,9 @@ inside the matmul (the GPU Triton GEMM fusion and the TPU MXU operand load take 
   [K/G, G, N] -> bitcast [K, N] -> multiply(convert(codes)) -> dot`) that XLA:GPU fuses
   into the GEMM with `--xla_gpu_experimental_enable_subchannel_dequantisation_fusion`
   (docs/quantized_matmul.md); without the flag XLA may materialise the dequantized weight,
-  which the device check measures. With f32 activations it equals the 'dequant' path bit for bit; with bf16 ones
-  the scale is rounded to bf16 before the product (the 'dequant' path rounds the f32
-  product), within one bf16 rounding of it.
+  which the device check measures. With f32 activations it equals the 'dequant' path bit
+  for bit; with bf16 ones the scale is rounded to bf16 before the product (the 'dequant'
+  path rounds the f32 product), within one bf16 rounding of it.
 
 A packed QArray multiplied with `path='native'` is unpacked first (`QArray.codes`): correct,
 but that unpack is what the native layout exists to avoid, so `path='auto'` never does it.

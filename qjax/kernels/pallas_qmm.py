@@ -16,7 +16,8 @@ Backends: Triton (GPU) and Mosaic (TPU) lower the same kernel; on CPU it runs wi
 `interpret=True` (the tests' reference check). Activations are padded to a multiple of 16
 rows, the smallest operand Triton's `tl.dot` takes. Block shapes: bn a power of two up to 256
 dividing N, bk the group size (or up to 512 rows for per-channel scales). TPU wants multiples
-of 128 in a block's last two dims: groups of 32 or 64 rows do not lower there. Not a default path until measured on a device (docs/quantized_matmul.md).
+of 128 in a block's last two dims: groups of 32 or 64 rows do not lower there. Not a default
+path until measured on a device (docs/quantized_matmul.md).
 This module imports nothing from qjax (like the rest of `qjax.kernels`).
 """
 

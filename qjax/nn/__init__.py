@@ -16,7 +16,8 @@ __all__ = [
     "check_token_ids", "decode_step", "decode_steps", "einsum_layers", "greedy_generate",
     "greedy_step",
     "init_cache", "logits_step", "online_attend", "kv_format", "model_report", "num_params",
-    "param_count", "quantize_model", "relayout_model", "resolve_format", "set_kv_format", "weight_bytes",
+    "param_count", "quantize_model", "relayout_model", "resolve_format",
+    "set_kv_format", "weight_bytes",
     "with_kv_format",
 ]
 

@@ -229,7 +229,7 @@ def report_unused_rules(unused, paths, *, mode: str, strict: bool, fix: str,
          f'{list(paths)[:shown]} (patterns use re.fullmatch).')
   if strict:
     raise ValueError(msg + ' ' + fix)
-  warnings.warn(msg)
+  warnings.warn(msg, stacklevel=2)
 
 
 def _plan(model: nnx.Module, policy: QuantPolicy, mode: str):

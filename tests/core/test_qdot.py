@@ -179,7 +179,7 @@ def test_default_cpu_paths_make_no_float_copy():
     q = quantize(w, fmt)
     for m in [1, 8, 64]:
       x = jax.random.normal(K[0], (m, 1024))
-      temp = jax.jit(lambda x, q: qdot(x, q, act_fmt=act)).lower(x, q).compile() \
+      temp = jax.jit(lambda x, q, act=act: qdot(x, q, act_fmt=act)).lower(x, q).compile() \
           .memory_analysis().temp_size_in_bytes
       assert temp < f32_copy / 2, (fmt.name, m, temp)
 
