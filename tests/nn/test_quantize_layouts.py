@@ -82,3 +82,13 @@ def test_apply_method_returns_the_requested_layout(model):
   assert record['method'] == 'rtn'
   assert {l.w.get_value().qtype.layout for _, l in einsum_layers(qm) if l.quantized} == {
       'native'}
+
+
+def test_gptq_fits_groups_that_span_heads(model):
+  tokens = jax.random.randint(jax.random.key(0), (8, 16), 0, CFG.vocab_size)
+  qm, _, record = apply_method(model, QuantPolicy((QuantRule('.*o_proj', G32),)), 'gptq',
+                               tokens)
+  q = dict(einsum_layers(qm))['layers/0/attn/o_proj'].w.get_value()
+  assert q.tile_shape == (2, 16, 1)
+  fit = record['layers']['layers/0/attn/o_proj']
+  assert fit['output_error'] < 0.7 * fit['rtn_output_error']  # GPTQ beats RTN on its groups
