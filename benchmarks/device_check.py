@@ -177,7 +177,10 @@ def _sync(x):
 
 
 def _state_bytes(model) -> int:
-  return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, 'nbytes'))
+  """Bytes the device holds (`Array.nbytes` counts one byte per jnp.int4 element even where
+  XLA packs two in a byte)."""
+  return sum(x.on_device_size_in_bytes() if hasattr(x, 'on_device_size_in_bytes') else x.nbytes
+             for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, 'nbytes'))
 
 
 def kv_bytes_per_token(cfg: TransformerConfig, model) -> int:

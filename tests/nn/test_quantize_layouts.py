@@ -92,3 +92,19 @@ def test_gptq_fits_groups_that_span_heads(model):
   assert q.tile_shape == (2, 16, 1)
   fit = record['layers']['layers/0/attn/o_proj']
   assert fit['output_error'] < 0.7 * fit['rtn_output_error']  # GPTQ beats RTN on its groups
+
+
+def test_greedy_decode_of_native_and_packed_models_agree(model, tokens):
+  from qjax.nn import generate, init_cache, kv_format  # pylint: disable=import-outside-toplevel
+  rules = (QuantRule('.*', G32),)
+  out = {}
+  for layout, path in (('packed', 'dequant'), ('native', 'native')):
+    qm, _ = quantize_model(model, QuantPolicy(rules, path=path), layout=layout)
+    cache = init_cache(CFG, 2, 16, fmt=kv_format(qm))
+    tok, cache = generate.greedy_step(qm, tokens[:, :4], cache)
+    seq = [tok]
+    for _ in range(3):
+      tok, cache = generate.greedy_step(qm, tok[:, None], cache)
+      seq.append(tok)
+    out[layout] = np.stack(seq, 1)
+  np.testing.assert_array_equal(out['native'], out['packed'])
