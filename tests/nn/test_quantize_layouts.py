@@ -108,3 +108,17 @@ def test_greedy_decode_of_native_and_packed_models_agree(model, tokens):
       seq.append(tok)
     out[layout] = np.stack(seq, 1)
   np.testing.assert_array_equal(out['native'], out['packed'])
+
+
+def test_a_model_on_the_pallas_path_gives_the_dequantized_logits(model, tokens, monkeypatch):
+  from qjax.kernels import pallas_qmm  # pylint: disable=import-outside-toplevel
+  calls = []
+  kernel = pallas_qmm.qmm
+  monkeypatch.setattr(pallas_qmm, 'qmm', lambda *a, **k: calls.append(k['bits']) or kernel(*a, **k))
+  rules = (QuantRule('.*', int_format(8)), QuantRule('.*', G32))
+  for rule in rules:  # int8 per-channel and int4 g32 (packed: the kernel's int4 layout)
+    ref, _ = quantize_model(model, QuantPolicy((rule,), path='dequant'), layout='packed')
+    qp, _ = quantize_model(model, QuantPolicy((rule,), path='pallas'), layout='packed')
+    np.testing.assert_allclose(_logits(qp, tokens), _logits(ref, tokens), rtol=1e-4, atol=1e-4)
+  # q, k, v, o, gate, up, down per layer ran on the kernel (the tied head takes 'auto').
+  assert calls.count(8) == 7 * CFG.num_layers and calls.count(4) == 7 * CFG.num_layers
