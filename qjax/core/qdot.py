@@ -95,6 +95,7 @@ from qjax.core.tiled_path import parse_spec  # re-exported: the project's one sp
 
 PATHS = ('auto', 'dequant', 'tiled', 'kernel', 'int8', 'fp8', 'native', 'pallas')
 INT8_ACT = QFormat(bits=8)
+WEIGHT_ONLY_PATHS = ('native', 'pallas')  # paths that would ignore an activation format
 
 
 def choose_path(w_fmt: Union[QFormat, QType], act_fmt: Optional[QFormat] = None,
@@ -172,6 +173,10 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
                        "weights in the (contracted..., kept...) or (V, D) head layout; use "
                        "path='auto'.")
     return y
+  if path in WEIGHT_ONLY_PATHS and act_fmt is not None:
+    raise ValueError(f'qeinsum: path={path!r} is weight-only, but act_fmt={act_fmt.name} asks '
+                     f"for quantized activations; use path='auto' (or "
+                     f"'{'fp8' if act_fmt.is_float else 'int8'}'), or drop act_fmt.")
   if path == 'native':
     return native_path.native_einsum(xs, ws, out, x, w, out_dtype)
   if path == 'pallas':

@@ -108,7 +108,8 @@ class QuantPolicy:
   Attributes:
     rules: the rules.
     strict: raise (instead of warn) when a rule matches no layer.
-    path: qeinsum compute path for every quantized layer ('auto', 'dequant', 'int8', 'fp8').
+    path: qeinsum compute path for every quantized layer ('auto', 'dequant', 'int8', 'fp8',
+      'native', 'pallas'; `qjax.core.qdot`).
   """
 
   rules: tuple[QuantRule, ...]
@@ -170,6 +171,9 @@ def resolve_format(rule: QuantRule, layer: Einsum, path: str, compute: str = 'au
     elif compute in ('int8', 'fp8') and (compute == 'int8') == fmt.is_float:
       raise ValueError(f"path={compute!r} cannot multiply {fmt.name} weights; use 'dequant' "
                        f"or '{'fp8' if fmt.is_float else 'int8'}'.")
+    elif compute in ('native', 'pallas') and rule.act is not None:
+      raise ValueError(f'path={compute!r} is weight-only, but the rule quantizes activations '
+                       f"({rule.act.name}); use path='auto' or drop act.")
   except ValueError as e:
     raise ValueError(f'quantize: layer {path!r}: {e}') from None
   return fmt

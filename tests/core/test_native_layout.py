@@ -183,3 +183,10 @@ def test_no_float_weight_in_the_compiled_native_matmul():
   compiled = jax.jit(lambda x, q: qjax.qdot(x, q, path='native')).lower(x, q).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp < w.size * 2, f'{temp} temp bytes: a bf16 copy of the weight is materialised'
+
+
+def test_weight_only_paths_refuse_an_activation_format():
+  q = layouts.to_layout(quantize(W_DF, int_format(8, channel_axes=(1,))), 'native')
+  for path in ('native', 'pallas'):
+    with pytest.raises(ValueError, match=f"path='{path}' is weight-only, but act_fmt=int8"):
+      qjax.qdot(jnp.ones((2, 256)), q, act_fmt=int_format(8), path=path)
