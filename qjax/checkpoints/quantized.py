@@ -409,7 +409,7 @@ def quantize_streamed(cfg: TransformerConfig, params, policy: QuantPolicy, *,
            f'{[r.pattern for r in unused]} (patterns use re.fullmatch).')
     if policy.strict:
       raise ValueError(msg + ' Fix the patterns or pass strict=False.')
-    warnings.warn(msg)
+    warnings.warn(msg, stacklevel=2)
   _release_freed_heap()
   return relayout_model(model), QuantReport(tuple(reports), unused, 'quantize')
 
