@@ -383,14 +383,17 @@ _INT4_BITS: dict = {}  # backend -> bits one int4 element occupies there (probed
 def int4_bits(backend: Optional[str] = None) -> int:
   """Bits the backend's buffers spend on one jnp.int4 element (4 packed, 8 unpacked).
 
-  Probed once per backend on a 256-element buffer (`on_device_size_in_bytes`) and cached in
+  Probed once per backend on a (512, 1024) buffer, large and aligned so that tiled memory
+  layouts (TPU) add no padding to the measurement (`on_device_size_in_bytes`), and cached in
   `_INT4_BITS`: a fact of the runtime, constant for the process.
   """
   backend = backend or jax.default_backend()
   if backend not in _INT4_BITS:
+    n = 512 * 1024
     with jax.ensure_compile_time_eval():
-      buf = jax.device_put(np.zeros(256, jnp.int4), jax.devices(backend)[0])
-      _INT4_BITS[backend] = int(buf.on_device_size_in_bytes()) * 8 // 256
+      buf = jax.device_put(np.zeros((512, 1024), jnp.int4), jax.devices(backend)[0])
+      _INT4_BITS[backend] = 4 if int(buf.on_device_size_in_bytes()) * 8 < 6 * n else 8
+      del buf
   return _INT4_BITS[backend]
 
 

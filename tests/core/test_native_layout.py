@@ -59,7 +59,8 @@ def test_nbytes_counts_what_the_backend_holds():
   assert bits in (4, 8)
   assert n.nbytes == W_DF.size * bits // 8 + q.scale.nbytes
   assert q.nbytes == W_DF.size // 2 + q.scale.nbytes  # packed: two codes a byte everywhere
-  assert int(n.data.on_device_size_in_bytes()) == W_DF.size * bits // 8
+  big = layouts.to_layout(quantize(jnp.ones((512, 1024)), int_format(4)), 'native')
+  assert int(big.data.on_device_size_in_bytes()) == 512 * 1024 * bits // 8
 
 
 def test_layout_choice_per_backend_and_override(monkeypatch):
