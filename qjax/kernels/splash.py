@@ -37,9 +37,12 @@ def _kernel(group: int, length: int, window: Optional[int], softcap: Optional[fl
   sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                         block_q_dq=block, block_kv_dq=block)
-  return sk.make_splash_mqa_single_device(
-      sm.MultiHeadMask([head_mask] * group), block_sizes=sizes,
-      attn_logits_soft_cap=softcap, interpret=interpret)
+  # The kernel holds its mask tables as arrays: make them concrete (this runs while a caller
+  # is being traced), so a cached kernel never keeps a tracer of another trace.
+  with jax.ensure_compile_time_eval():
+    return sk.make_splash_mqa_single_device(
+        sm.MultiHeadMask([head_mask] * group), block_sizes=sizes,
+        attn_logits_soft_cap=softcap, interpret=interpret)
 
 
 def splash_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *,
