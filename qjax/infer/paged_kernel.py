@@ -68,6 +68,11 @@ def attention_form(pool, t: int, on: Optional[str] = None) -> PagedForm:
   if mode == 'kernel':
     return PagedForm('kernel', backend, 'QJAX_PAGED_ATTENTION=kernel')
   if on in ('nvidia', 'tpu'):
+    if jax.device_count() > 1:
+      # A pallas_call is not partitioned: sharded pools (`shard_pools`) would be gathered.
+      return PagedForm('scan', None, f'{jax.device_count()} devices: pools may be sharded, '
+                       'and the kernel runs on one device (QJAX_PAGED_ATTENTION=kernel forces '
+                       'it)')
     return PagedForm('kernel', backend, f'{on}: Pallas paged attention ({backend})')
   return PagedForm('scan', None, f'{on}: gather + online softmax in XLA')
 
