@@ -237,8 +237,9 @@ def paged_attention(q_BNH: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   nq, hp = len(q_parts), q_parts[0].shape[-1]
   scaled = k_scales is not None
   pools = (k_pages, k_scales, v_pages, v_scales) if scaled else (k_pages, v_pages)
-  cfg = dict(range=dict(page_size=p, width=width, window=window, ring_span=width * p if ring else 0),
-             pos=dict(page_size=p, ring_span=width * p if ring else 0),
+  span = width * p if ring else 0
+  cfg = dict(range=dict(page_size=p, width=width, window=window, ring_span=span),
+             pos=dict(page_size=p, ring_span=span),
              math=dict(window=window, softcap=logit_softcap, int4=int4))
   f32 = jnp.float32
   out_shape = ([jax.ShapeDtypeStruct((b, splits, kh, gp, hp), f32)] * nq
