@@ -187,7 +187,7 @@ def _mosaic_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, kh, width, sca
 
 
 def paged_attention(q_BNH: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                    table_BW: jax.Array, q_pos_B: jax.Array, last_B: jax.Array, *,
+                    page_table: jax.Array, q_pos_B: jax.Array, last_B: jax.Array, *,
                     k_scales: Optional[jax.Array] = None, v_scales: Optional[jax.Array] = None,
                     int4: bool = False, ring: bool = False, window: Optional[int] = None,
                     logit_softcap: Optional[float] = None,
@@ -200,7 +200,8 @@ def paged_attention(q_BNH: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     k_pages: the key pool (num_pages, P, K, Hs): floats, int8 or fp8 codes, or (int4) bytes
       of two packed codes each (Hs = H / 2).
     v_pages: the value pool, stored like the keys.
-    table_BW: int32 pool page of each row's logical page j (or ring page j when `ring`).
+    page_table: int32 (B, pages per row): the pool page of each row's logical page j (or
+      ring page j when `ring`).
     q_pos_B: each query's position (-1: a row with nothing to attend to; its output is 0).
     last_B: each row's newest cached position (locates a ring's positions).
     k_scales: (num_pages, P, K, 1) scales of quantized keys (code * scale), or None.
@@ -225,7 +226,7 @@ def paged_attention(q_BNH: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                      f'/ {v_pages.shape} (int4={int4}: H / 2 bytes per head).')
   if (k_scales is None) != (v_scales is None):
     raise ValueError('paged_attention: give both k_scales and v_scales, or neither.')
-  width = table_BW.shape[1]
+  width = page_table.shape[1]
   pps = max(1, min(width, pages_per_split or max(1, 1024 // p)))
   splits = -(-width // pps)
   g = n // kh
@@ -245,7 +246,7 @@ def paged_attention(q_BNH: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   out_shape = ([jax.ShapeDtypeStruct((b, splits, kh, gp, hp), f32)] * nq
                + [jax.ShapeDtypeStruct((b, splits, kh, gp), f32)] * 2)
   sq = pl.squeezed
-  ints = (table_BW.astype(jnp.int32), q_pos_B.astype(jnp.int32), last_B.astype(jnp.int32))
+  ints = (page_table.astype(jnp.int32), q_pos_B.astype(jnp.int32), last_B.astype(jnp.int32))
   if backend == 'triton':
     whole = pl.no_block_spec
     from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
@@ -287,11 +288,12 @@ def paged_attention(q_BNH: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             dimension_semantics=('parallel', 'parallel', 'arbitrary')),
         name='qjax_paged_attention_mosaic')(ints[0].reshape(-1), ints[1], ints[2], *q_parts,
                                             *pools)
-  acc, m_BSKG, l_BSKG = outs[:nq], outs[nq], outs[nq + 1]
-  # Merge the splits by their log-sum-exp; a split (or row) that saw no key has l = 0.
-  w_BSKG = jnp.exp(m_BSKG - m_BSKG.max(axis=1, keepdims=True))
-  l_BKG = jnp.sum(w_BSKG * l_BSKG, axis=1)
-  parts = [jnp.sum(w_BSKG[..., None] * a, axis=1) for a in acc]
+  # Per split (axis 1): running max, normaliser and weighted sums. Merge the splits by their
+  # log-sum-exp; a split (or row) that saw no key has l = 0.
+  acc, m_split, l_split = outs[:nq], outs[nq], outs[nq + 1]
+  w_split = jnp.exp(m_split - m_split.max(axis=1, keepdims=True))
+  l_BKG = jnp.sum(w_split * l_split, axis=1)
+  parts = [jnp.sum(w_split[..., None] * a, axis=1) for a in acc]
   out_BKGH = jnp.stack(parts, axis=-1).reshape(b, kh, gp, h) if int4 else parts[0]
   out_BKGH = out_BKGH / jnp.where(l_BKG > 0, l_BKG, 1.0)[..., None]
   return out_BKGH[:, :, :g].reshape(b, n, h).astype(q_BNH.dtype)
