@@ -28,7 +28,8 @@ class PagedForm:
   reason: str
 
 
-def attention_form(pool, t: int, on: Optional[str] = None) -> PagedForm:
+def attention_form(pool, t: int, on: Optional[str] = None,
+                   devices: Optional[int] = None) -> PagedForm:
   """The form paged attention of T queries per row over `pool` runs, decided here only.
 
   The kernel (`qjax.kernels.paged_attention`) runs one query per row (decode) on GPU
@@ -42,6 +43,7 @@ def attention_form(pool, t: int, on: Optional[str] = None) -> PagedForm:
     pool: a layer's key pool (num_pages, P, K, H), an array or a QArray.
     t: queries per row.
     on: the platform (`qjax.nn.attention_forms.platform()` when None).
+    devices: devices of the platform (`jax.device_count()` when None).
   """
   mode = os.environ.get('QJAX_PAGED_ATTENTION', 'auto')
   if mode not in PAGED_MODES:
@@ -68,9 +70,10 @@ def attention_form(pool, t: int, on: Optional[str] = None) -> PagedForm:
   if mode == 'kernel':
     return PagedForm('kernel', backend, 'QJAX_PAGED_ATTENTION=kernel')
   if on in ('nvidia', 'tpu'):
-    if jax.device_count() > 1:
+    devices = devices or jax.device_count()
+    if devices > 1:
       # A pallas_call is not partitioned: sharded pools (`shard_pools`) would be gathered.
-      return PagedForm('scan', None, f'{jax.device_count()} devices: pools may be sharded, '
+      return PagedForm('scan', None, f'{devices} devices: pools may be sharded, '
                        'and the kernel runs on one device (QJAX_PAGED_ATTENTION=kernel forces '
                        'it)')
     return PagedForm('kernel', backend, f'{on}: Pallas paged attention ({backend})')

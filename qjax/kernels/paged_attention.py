@@ -4,8 +4,9 @@ The cache is qjax's paged layout (`qjax.infer.PagedKVCache`): per layer a pool o
 (num_pages, P, K, H) read through a per-row table of pool pages. Stored codes stay codes: an
 int8, fp8 or packed int4 page (two codes per byte along H, low nibble first) is read from the
 pool as bytes and dequantized inside the kernel, never as a float copy of the cache. The
-per-token scales (shape (num_pages, P, K, 1)) are applied to the logits and to the softmax
-weights, which is the same math as scaling the keys and values.
+per-token scales (shape (num_pages, P, K, 1)) multiply the page's values in registers / VMEM
+after the load; int4's two nibbles per byte meet the even and odd query features, so no
+nibble interleave runs in the kernel.
 
 Each program handles one row's pages of one split (split-K: long rows are cut into
 `pages_per_split` pieces that run in parallel) with FlashAttention's online softmax, and the
@@ -13,13 +14,14 @@ pieces are merged by their log-sum-exp afterwards. Only the pages a row's query 
 visited (from its window's first page to its own page); a ring table (sliding-window layers)
 holds R pages whose positions follow from the row's newest position.
 
-Two schedules of the same per-page math (`_page_update`), by backend:
-* 'triton' (GPU): grid (B, K, splits), a loop over pages inside, each page loaded from the
-  pool by its table entry; products as broadcasts and sums (decode is bandwidth bound and G
-  query heads per kv head are too few rows for tensor-core tiles).
+Two schedules of one online-softmax step (`_online_step`), by backend:
+* 'triton' (GPU): grid (B, K, splits), a loop over pages inside, each page of one kv head
+  loaded from the pool by its table entry; products as broadcasts and sums (decode is
+  bandwidth bound, and G query heads per kv head are too few rows for tensor-core tiles).
 * 'mosaic' (TPU): grid (B, splits, pages), the table prefetched to scalar memory and the pool
-  block of each step chosen by it (Pallas pipelines the page copies); state in VMEM scratch;
-  products as dots.
+  block of each step chosen by it (Pallas pipelines the page copies); a page of every kv
+  head as one 2-D tile (P * K, H) scored by one dot against all K * G queries, the mask
+  keeping each query's own kv head; state in VMEM scratch.
 Both run in Pallas interpret mode on any backend (`interpret=True`), which is how the tests
 check them on CPU against a float64 reference. This module imports nothing else from qjax.
 """
@@ -52,52 +54,51 @@ def _parts(x: jax.Array, int4: bool) -> tuple[jax.Array, ...]:
   return _unpack_int4(x) if int4 else (x.astype(jnp.float32),)
 
 
-def _page_update(state, q_parts, k_page, k_scale, v_page, v_scale, pos_P, q_pos, *,
-                 window, softcap, int4, use_dot):
-  """One page of the online softmax for one kv head: state (m_G, l_G, acc parts (G, Hp)).
+def _dequantized(page, scale, int4: bool) -> tuple[jax.Array, ...]:
+  """A page block's values (rows, H) as float32 parts, times its per-row scales (rows, 1)."""
+  parts = _unpack_int4(page) if int4 else (page.astype(jnp.float32),)
+  return parts if scale is None else tuple(x * scale.astype(jnp.float32) for x in parts)
 
-  q_parts: (G, Hp) query parts matching the page's parts; k_page/v_page: (P, Hs) codes or
-  floats; k_scale/v_scale: (P,) or None; pos_P: (P,) key positions.
+
+def _online_step(state, q_parts, k_parts, v_parts, ok_XY, *, softcap, use_dot):
+  """One key block of the online softmax for X query rows over Y keys.
+
+  state: (m (X, 1), l (X, 1), acc parts (X, Hp)); q/k/v parts: (X, Hp), (Y, Hp), (Y, Hp)
+  float32 (int4: even and odd features); ok_XY: which keys each query may see.
   """
-  m_G, l_G, acc = state
-  if use_dot:
-    dot = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                                           preferred_element_type=jnp.float32)
-  else:
-    dot = lambda a, b: jnp.sum(a[:, None, :] * b[None, :, :], axis=-1)
-  s_GP = sum(dot(q, k) for q, k in zip(q_parts, _parts(k_page, int4)))
-  if k_scale is not None:
-    s_GP = s_GP * k_scale.astype(jnp.float32)[None, :]
+  m_X1, l_X1, acc = state
+  if use_dot:  # MXU / tensor-core tiles
+    qk = lambda q, k: jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                          preferred_element_type=jnp.float32)
+    pv = lambda p, v: jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())),
+                                          preferred_element_type=jnp.float32)
+  else:  # too few query rows for tiles: broadcasts and sums
+    qk = lambda q, k: jnp.sum(q[:, None, :] * k[None, :, :], axis=-1)
+    pv = lambda p, v: jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+  s_XY = sum(qk(q, k) for q, k in zip(q_parts, k_parts))
   if softcap is not None:
-    s_GP = softcap * jnp.tanh(s_GP / softcap)
-  ok_P = pos_P <= q_pos
-  if window is not None:
-    ok_P &= q_pos - pos_P < window
-  ok_GP = jnp.broadcast_to(ok_P[None, :], s_GP.shape)
-  s_GP = jnp.where(ok_GP, s_GP, _NEG)
-  m_new = jnp.maximum(m_G, s_GP.max(axis=-1))
-  p_GP = jnp.where(ok_GP, jnp.exp(s_GP - m_new[:, None]), 0.0)
-  alpha = jnp.exp(m_G - m_new)
-  l_G = alpha * l_G + p_GP.sum(axis=-1)
-  if v_scale is not None:
-    p_GP = p_GP * v_scale.astype(jnp.float32)[None, :]
-  if use_dot:
-    pv = lambda v: jax.lax.dot_general(p_GP, v, (((1,), (0,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
+    s_XY = softcap * jnp.tanh(s_XY / softcap)
+  s_XY = jnp.where(ok_XY, s_XY, _NEG)
+  m_new = jnp.maximum(m_X1, s_XY.max(axis=-1, keepdims=True))
+  p_XY = jnp.where(ok_XY, jnp.exp(s_XY - m_new), 0.0)
+  alpha = jnp.exp(m_X1 - m_new)
+  l_X1 = alpha * l_X1 + p_XY.sum(axis=-1, keepdims=True)
+  acc = tuple(alpha * a + pv(p_XY, v) for a, v in zip(acc, v_parts))
+  return m_new, l_X1, acc
+
+
+def _visible(slot, q_pos, last, *, window, ring_span):
+  """Whether the keys in `slot` (slot j*P + s of a row's table) are visible to its query."""
+  if ring_span:  # the newest position p <= last with p = slot (mod span)
+    back = jax.lax.rem(last - slot, ring_span)
+    pos = last - jnp.where(back < 0, back + ring_span, back)
+    ok = (pos >= 0) & (pos <= q_pos)
   else:
-    pv = lambda v: jnp.sum(p_GP[:, :, None] * v[None, :, :], axis=1)
-  acc = tuple(alpha[:, None] * a + pv(v) for a, v in zip(acc, _parts(v_page, int4)))
-  return m_new, l_G, acc
-
-
-def _positions(j, last, *, page_size, ring_span):
-  """Key positions (P,) of logical page j (block table), or of ring page j (ring_span > 0)."""
-  slot_P = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (page_size,), 0)
-  if not ring_span:
-    return slot_P
-  back_P = jax.lax.rem(last - slot_P, ring_span)  # the newest p <= last with p = slot (mod span)
-  pos_P = last - jnp.where(back_P < 0, back_P + ring_span, back_P)
-  return jnp.where(pos_P >= 0, pos_P, _EMPTY)
+    pos = slot
+    ok = pos <= q_pos
+  if window is not None:
+    ok &= q_pos - pos < window
+  return ok
 
 
 def _page_range(q_pos, *, page_size, width, window, ring_span):
@@ -121,6 +122,7 @@ def _split_refs(refs, nq, scaled):
 
 
 def _triton_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, scaled, cfg):
+  """Rows x kv heads x splits; a loop over one split's pages of one row and kv head."""
   q_refs, (k_ref, ks_ref, v_ref, vs_ref), rest = _split_refs(refs, nq, scaled)
   acc_refs, (m_ref, l_ref) = rest[:nq], rest[nq:]
   b, kv, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -129,30 +131,38 @@ def _triton_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, scaled, cfg):
   lo = jnp.maximum(first, split * pps)
   hi = jnp.minimum(end, split * pps + pps)
   q_parts = tuple(r[...].astype(jnp.float32) for r in q_refs)
-  g = q_parts[0].shape[0]
+  g, p = q_parts[0].shape[0], cfg['page_size']
 
   def body(j, state):
     page = table_ref[b, j]
-    ks = None if ks_ref is None else ks_ref[page, :, kv, 0]
-    vs = None if vs_ref is None else vs_ref[page, :, kv, 0]
-    pos_P = _positions(j, last, **cfg['pos'])
-    return _page_update(state, q_parts, k_ref[page, :, kv, :], ks, v_ref[page, :, kv, :], vs,
-                        pos_P, q_pos, use_dot=False, **cfg['math'])
-  init = (jnp.full((g,), _NEG, jnp.float32), jnp.zeros((g,), jnp.float32),
+    scale = lambda r: None if r is None else r[page, :, kv, :]
+    k_parts = _dequantized(k_ref[page, :, kv, :], scale(ks_ref), cfg['int4'])
+    v_parts = _dequantized(v_ref[page, :, kv, :], scale(vs_ref), cfg['int4'])
+    slot_1P = j * p + jax.lax.broadcasted_iota(jnp.int32, (1, p), 1)
+    ok_GP = jnp.broadcast_to(_visible(slot_1P, q_pos, last, **cfg['mask']), (g, p))
+    return _online_step(state, q_parts, k_parts, v_parts, ok_GP, softcap=cfg['softcap'],
+                        use_dot=False)
+  init = (jnp.full((g, 1), _NEG, jnp.float32), jnp.zeros((g, 1), jnp.float32),
           tuple(jnp.zeros(q.shape, jnp.float32) for q in q_parts))
-  m_G, l_G, acc = jax.lax.fori_loop(lo, jnp.maximum(lo, hi), body, init)
+  m_G1, l_G1, acc = jax.lax.fori_loop(lo, jnp.maximum(lo, hi), body, init)
   for r, a in zip(acc_refs, acc):
     r[...] = a
-  m_ref[...] = m_G
-  l_ref[...] = l_G
+  m_ref[...] = m_G1
+  l_ref[...] = l_G1
 
 
-def _mosaic_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, kh, width, scaled, cfg):
+def _mosaic_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, kh, scaled, cfg):
+  """Rows x splits x pages; each step one page of every kv head, as 2-D tiles.
+
+  The page block is the pool's (P, K, H) page viewed as (P * K, H) (row s * K + k: slot s,
+  kv head k), the queries (K * G, H) (row k * G + g); one dot scores every query against
+  every key of the page and the mask keeps the pairs of one kv head.
+  """
   q_refs, (k_ref, ks_ref, v_ref, vs_ref), rest = _split_refs(refs, nq, scaled)
   acc_refs, (m_ref, l_ref), scratch = rest[:nq], rest[nq:nq + 2], rest[nq + 2:]
   m_scr, l_scr, acc_scr = scratch[0], scratch[1], scratch[2:]
   b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  del table_ref, width  # the pool blocks were chosen by the index maps
+  del table_ref  # the index maps chose the page blocks
   q_pos, last = qpos_ref[b], last_ref[b]
   first, end = _page_range(q_pos, **cfg['range'])
   j = split * pps + step
@@ -166,17 +176,22 @@ def _mosaic_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, kh, width, sca
 
   @pl.when((j >= first) & (j < end))
   def _():
-    pos_P = _positions(j, last, **cfg['pos'])
-    for h in range(kh):
-      q_parts = tuple(r[h].astype(jnp.float32) for r in q_refs)
-      ks = None if ks_ref is None else ks_ref[:, h, 0]
-      vs = None if vs_ref is None else vs_ref[:, h, 0]
-      state = (m_scr[h], l_scr[h], tuple(a[h] for a in acc_scr))
-      m_G, l_G, acc = _page_update(state, q_parts, k_ref[:, h, :], ks, v_ref[:, h, :], vs,
-                                   pos_P, q_pos, use_dot=True, **cfg['math'])
-      m_scr[h], l_scr[h] = m_G, l_G
-      for a_scr, a in zip(acc_scr, acc):
-        a_scr[h] = a
+    q_parts = tuple(r[...].astype(jnp.float32) for r in q_refs)
+    scale = lambda r: None if r is None else r[...]
+    k_parts = _dequantized(k_ref[...], scale(ks_ref), cfg['int4'])
+    v_parts = _dequantized(v_ref[...], scale(vs_ref), cfg['int4'])
+    rows, cols = q_parts[0].shape[0], k_parts[0].shape[0]
+    col_1Y = jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+    slot_1Y = j * cfg['page_size'] + jax.lax.div(col_1Y, kh)
+    head_X1 = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), rows // kh)
+    ok_XY = (head_X1 == jax.lax.rem(col_1Y, kh)) & _visible(slot_1Y, q_pos, last,
+                                                              **cfg['mask'])
+    state = (m_scr[...], l_scr[...], tuple(a[...] for a in acc_scr))
+    m_X1, l_X1, acc = _online_step(state, q_parts, k_parts, v_parts, ok_XY,
+                                   softcap=cfg['softcap'], use_dot=True)
+    m_scr[...], l_scr[...] = m_X1, l_X1
+    for a_scr, a in zip(acc_scr, acc):
+      a_scr[...] = a
 
   @pl.when(step == pps - 1)
   def _():
@@ -184,7 +199,6 @@ def _mosaic_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, kh, width, sca
       r[...] = a[...]
     m_ref[...] = m_scr[...]
     l_ref[...] = l_scr[...]
-
 
 def paged_attention(q_BNH: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     page_table: jax.Array, q_pos_B: jax.Array, last_B: jax.Array, *,
@@ -240,60 +254,63 @@ def paged_attention(q_BNH: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   pools = (k_pages, k_scales, v_pages, v_scales) if scaled else (k_pages, v_pages)
   span = width * p if ring else 0
   cfg = dict(range=dict(page_size=p, width=width, window=window, ring_span=span),
-             pos=dict(page_size=p, ring_span=span),
-             math=dict(window=window, softcap=logit_softcap, int4=int4))
-  f32 = jnp.float32
-  out_shape = ([jax.ShapeDtypeStruct((b, splits, kh, gp, hp), f32)] * nq
-               + [jax.ShapeDtypeStruct((b, splits, kh, gp), f32)] * 2)
-  sq = pl.squeezed
+             mask=dict(window=window, ring_span=span), page_size=p, softcap=logit_softcap,
+             int4=int4)
+  f32, sq = jnp.float32, pl.squeezed
   ints = (page_table.astype(jnp.int32), q_pos_B.astype(jnp.int32), last_B.astype(jnp.int32))
   if backend == 'triton':
-    whole = pl.no_block_spec
     from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+    whole = pl.no_block_spec
     kernel = functools.partial(_triton_kernel, nq=nq, pps=pps, scaled=scaled, cfg=cfg)
     outs = pl.pallas_call(
-        kernel, grid=(b, kh, splits), out_shape=out_shape, interpret=interpret,
+        kernel, grid=(b, kh, splits), interpret=interpret,
+        out_shape=([jax.ShapeDtypeStruct((b, splits, kh, gp, hp), f32)] * nq
+                   + [jax.ShapeDtypeStruct((b, splits, kh, gp, 1), f32)] * 2),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         in_specs=([whole] * 3
                   + [pl.BlockSpec((sq, sq, gp, hp), lambda i, k, s: (i, k, 0, 0))] * nq
                   + [whole] * len(pools)),
         out_specs=([pl.BlockSpec((sq, sq, sq, gp, hp), lambda i, k, s: (i, s, k, 0, 0))] * nq
-                   + [pl.BlockSpec((sq, sq, sq, gp), lambda i, k, s: (i, s, k, 0))] * 2),
+                   + [pl.BlockSpec((sq, sq, sq, gp, 1), lambda i, k, s: (i, s, k, 0, 0))] * 2),
         name='qjax_paged_attention_triton')(*ints, *q_parts, *pools)
   else:
     from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+    rows = kh * g
 
     def page_of(i, s, j, table, qpos, last):
       del last
       first, end = _page_range(qpos[i], **cfg['range'])
       jj = jnp.clip(s * pps + j, first, jnp.maximum(end - 1, first))
       return table[i * width + jnp.clip(jj, 0, width - 1)]
-    page_spec = lambda last_dim: pl.BlockSpec(
-        (sq, p, kh, last_dim), lambda i, s, j, *refs: (page_of(i, s, j, *refs), 0, 0, 0))
-    pool_specs = [page_spec(hs), page_spec(1), page_spec(hs), page_spec(1)]
-    if not scaled:
-      pool_specs = pool_specs[::2]
-    kernel = functools.partial(_mosaic_kernel, nq=nq, pps=pps, kh=kh, width=width,
-                               scaled=scaled, cfg=cfg)
+    # A page (P, K, Hs) seen as (P * K, Hs): a free reshape, 2-D tiles in the kernel.
+    flat = lambda x: x.reshape(x.shape[0], p * kh, x.shape[-1])
+    pools = tuple(flat(x) for x in pools)
+    page_spec = lambda x: pl.BlockSpec((sq, p * kh, x.shape[-1]),
+                                       lambda i, s, j, *refs: (page_of(i, s, j, *refs), 0, 0))
+    kernel = functools.partial(_mosaic_kernel, nq=nq, pps=pps, kh=kh, scaled=scaled, cfg=cfg)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(b, splits, pps),
-        in_specs=([pl.BlockSpec((sq, kh, gp, hp), lambda i, s, j, *_: (i, 0, 0, 0))] * nq
-                  + pool_specs),
-        out_specs=([pl.BlockSpec((sq, sq, kh, gp, hp), lambda i, s, j, *_: (i, s, 0, 0, 0))]
-                   * nq + [pl.BlockSpec((sq, sq, kh, gp), lambda i, s, j, *_: (i, s, 0, 0))] * 2),
-        scratch_shapes=([pltpu.VMEM((kh, gp), f32)] * 2 + [pltpu.VMEM((kh, gp, hp), f32)] * nq))
+        in_specs=([pl.BlockSpec((sq, rows, hp), lambda i, s, j, *_: (i, 0, 0))] * nq
+                  + [page_spec(x) for x in pools]),
+        out_specs=([pl.BlockSpec((sq, sq, rows, hp), lambda i, s, j, *_: (i, s, 0, 0))] * nq
+                   + [pl.BlockSpec((sq, sq, rows, 1), lambda i, s, j, *_: (i, s, 0, 0))] * 2),
+        scratch_shapes=([pltpu.VMEM((rows, 1), f32)] * 2 + [pltpu.VMEM((rows, hp), f32)] * nq))
     outs = pl.pallas_call(
-        kernel, grid_spec=grid_spec, out_shape=out_shape, interpret=interpret,
+        kernel, grid_spec=grid_spec, interpret=interpret,
+        out_shape=([jax.ShapeDtypeStruct((b, splits, rows, hp), f32)] * nq
+                   + [jax.ShapeDtypeStruct((b, splits, rows, 1), f32)] * 2),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=('parallel', 'parallel', 'arbitrary')),
-        name='qjax_paged_attention_mosaic')(ints[0].reshape(-1), ints[1], ints[2], *q_parts,
+        name='qjax_paged_attention_mosaic')(ints[0].reshape(-1), ints[1], ints[2],
+                                            *(q.reshape(b, rows, hp) for q in q_parts),
                                             *pools)
+    outs = [o.reshape(b, splits, kh, g, o.shape[-1]) for o in outs]
   # Per split (axis 1): running max, normaliser and weighted sums. Merge the splits by their
   # log-sum-exp; a split (or row) that saw no key has l = 0.
   acc, m_split, l_split = outs[:nq], outs[nq], outs[nq + 1]
   w_split = jnp.exp(m_split - m_split.max(axis=1, keepdims=True))
-  l_BKG = jnp.sum(w_split * l_split, axis=1)
-  parts = [jnp.sum(w_split[..., None] * a, axis=1) for a in acc]
-  out_BKGH = jnp.stack(parts, axis=-1).reshape(b, kh, gp, h) if int4 else parts[0]
-  out_BKGH = out_BKGH / jnp.where(l_BKG > 0, l_BKG, 1.0)[..., None]
+  l_BKG1 = jnp.sum(w_split * l_split, axis=1)
+  parts = [jnp.sum(w_split * a, axis=1) for a in acc]
+  out_BKGH = jnp.stack(parts, axis=-1).reshape(parts[0].shape[:3] + (h,)) if int4 else parts[0]
+  out_BKGH = out_BKGH / jnp.where(l_BKG1 > 0, l_BKG1, 1.0)
   return out_BKGH[:, :, :g].reshape(b, n, h).astype(q_BNH.dtype)

@@ -50,18 +50,19 @@ def test_attention_form_per_platform_pool_and_override(monkeypatch):
   monkeypatch.delenv('QJAX_PAGED_ATTENTION', raising=False)
   pool = jnp.zeros((4, 16, 2, 64), jnp.bfloat16)
   assert attention_form(pool, 1, on='cpu').name == 'scan'
-  form = lambda *a, **k: (attention_form(*a, **k).name, attention_form(*a, **k).backend)
-  assert form(pool, 1, on='nvidia') == ('kernel', 'triton')
-  assert form(pool, 1, on='tpu') == ('kernel', 'mosaic')
-  assert attention_form(pool, 4, on='tpu').name == 'scan'  # a prefill chunk
+  one = lambda pool, t, on: attention_form(pool, t, on=on, devices=1)
+  assert (one(pool, 1, 'nvidia').name, one(pool, 1, 'nvidia').backend) == ('kernel', 'triton')
+  assert (one(pool, 1, 'tpu').name, one(pool, 1, 'tpu').backend) == ('kernel', 'mosaic')
+  assert one(pool, 4, 'tpu').name == 'scan'  # a prefill chunk
+  assert 'may be sharded' in attention_form(pool, 1, on='tpu', devices=4).reason
   odd = jnp.zeros((4, 12, 2, 64))
-  assert 'powers of two' in attention_form(odd, 1, on='nvidia').reason
-  assert attention_form(odd, 1, on='tpu').name == 'kernel'
+  assert 'powers of two' in one(odd, 1, 'nvidia').reason
+  assert one(odd, 1, 'tpu').name == 'kernel'
   grouped = quantize(pool.astype(jnp.float32), int_format(8, group_size=32, group_axis=3,
                                                           channel_axes=(0, 1, 2)))
-  assert 'one scale per token' in attention_form(grouped, 1, on='nvidia').reason
+  assert 'one scale per token' in one(grouped, 1, 'nvidia').reason
   monkeypatch.setenv('QJAX_PAGED_ATTENTION', 'scan')
-  assert attention_form(pool, 1, on='nvidia').name == 'scan'
+  assert one(pool, 1, 'nvidia').name == 'scan'
   monkeypatch.setenv('QJAX_PAGED_ATTENTION', 'fast')
   with pytest.raises(ValueError, match="QJAX_PAGED_ATTENTION='fast' is unknown"):
     attention_form(pool, 1)
