@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
+_LOG = logging.getLogger('qjax.nn.attention_forms')
 FORMS = ('dense', 'blockwise', 'sdpa_xla', 'cudnn', 'splash')
 # cuDNN's fused attention: head dims it takes in every cuDNN 9 release qjax supports.
 CUDNN_MAX_HEAD_DIM = 128
@@ -154,9 +156,17 @@ def fused_attend(form: str, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Ar
       from qjax.kernels import splash  # pylint: disable=g-import-not-at-top
       return splash.splash_attention(q, k, v, interpret=interpret, **kw)
     dt = q.dtype
-    return jax.nn.dot_product_attention(
-        q, k.astype(dt), v.astype(dt), scale=1.0, is_causal=True, implementation='cudnn',
-        local_window_size=None if window is None else (window - 1, 0)).astype(dt)
+    try:
+      return jax.nn.dot_product_attention(
+          q, k.astype(dt), v.astype(dt), scale=1.0, is_causal=True, implementation='cudnn',
+          local_window_size=None if window is None else (window - 1, 0)).astype(dt)
+    except (ValueError, NotImplementedError, RuntimeError) as e:
+      # cuDNN checks shapes, layouts and its own version while the call is traced; a call it
+      # refuses runs the scan over the same keys (exact: this branch has aligned positions).
+      _LOG.warning('cuDNN attention refused %s x %s (%s); running blockwise.', q.shape,
+                   k.shape, e)
+      return attention.attend_blockwise(q, k, v, q_pos_BT, q_pos_BT, block_size=block_size,
+                                        **kw)
 
   def scan(q, k, v):
     return attention.attend_blockwise(q, k, v, q_pos_BT, k_pos_BS, block_size=block_size, **kw)

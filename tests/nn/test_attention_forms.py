@@ -134,3 +134,18 @@ def test_prefill_against_a_cache_runs_over_own_keys_only_from_position_zero(star
   out = fused_attend('splash', q, k, v, q_pos, k_pos, own=(k_new, v_new), window=5,
                      interpret=True, block_size=8)
   np.testing.assert_allclose(out, reference(q, k, v, q_pos, k_pos, 5), atol=2e-5)
+
+
+def test_a_call_cudnn_refuses_runs_the_scan(monkeypatch):
+  """cuDNN's checks run while the call is traced; a refusal there falls back, exactly."""
+  real = jax.nn.dot_product_attention
+
+  def cudnn_refuses(*args, implementation=None, **kw):
+    if implementation == 'cudnn':
+      raise RuntimeError('cuDNN is not detected.')
+    return real(*args, implementation=implementation, **kw)
+  monkeypatch.setattr(jax.nn, 'dot_product_attention', cudnn_refuses)
+  q, k, v = qkv(1, 20, 4, 2, 16, seed=3)
+  pos = jnp.arange(20)[None]
+  out = fused_attend('cudnn', q, k, v, pos, pos, window=7, block_size=8)
+  np.testing.assert_allclose(out, reference(q, k, v, pos, pos, 7), atol=2e-5)
