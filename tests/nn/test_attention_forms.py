@@ -149,3 +149,13 @@ def test_a_call_cudnn_refuses_runs_the_scan(monkeypatch):
   pos = jnp.arange(20)[None]
   out = fused_attend('cudnn', q, k, v, pos, pos, window=7, block_size=8)
   np.testing.assert_allclose(out, reference(q, k, v, pos, pos, 7), atol=2e-5)
+
+
+@pytest.mark.backend('cpu', reason="'auto' is dense on CPU only")
+def test_temp_bytes_measure_the_form_each_impl_runs():
+  from qjax.infer import attention_temp_bytes  # pylint: disable=g-import-not-at-top
+  temp = {impl: attention_temp_bytes(512, impl, block_size=64)
+          for impl in ('auto', 'fused', 'dense', 'blockwise')}
+  assert temp['auto'] == temp['dense']
+  assert temp['blockwise'] < temp['dense'] / 2  # O(T * block), not O(T * S)
+  assert temp['fused'] > 0  # sdpa_xla on CPU: dense math
