@@ -1,19 +1,21 @@
 """Which attention form a layer runs, decided in one place (`choose_form`), and the fused forms.
 
 `TransformerConfig.attention_impl` names what the user asks for; `choose_form` turns it into
-the form that runs on this platform, with the reason (listed for
-reports and benchmarks: `qjax.nn.layer_forms(model, t)`):
+the form that runs on this platform, with the reason (listed for reports and benchmarks by
+`qjax.nn.layer_forms(model, t)`):
 
 | impl | CPU | NVIDIA GPU | TPU |
 |---|---|---|---|
 | 'auto' (default) | dense | as 'fused' | as 'fused' |
-| 'fused' | `sdpa_xla` | `cudnn` (bf16/fp16, H <= 128, no softcap), else blockwise | `splash` |
+| 'fused' | `sdpa_xla` | `cudnn` (bf16/fp16, H <= 128, no softcap), else unfused | `splash` |
 | 'dense' / 'blockwise' | that form | that form | that form |
 
 `cudnn` is `jax.nn.dot_product_attention(implementation='cudnn')` (cuDNN's FlashAttention),
 `sdpa_xla` the same call with implementation='xla' (exact, dense memory: the CPU and test
-stand-in), `splash` the Pallas splash kernel (`qjax.kernels.splash`). Query scaling is
-already folded into the queries (`Attention`), so every form is called with scale 1.
+stand-in), `splash` the Pallas splash kernel (`qjax.kernels.splash`). Where no fused kernel
+takes a call ('unfused': a softcap, f32, a head dim cuDNN lacks) it runs dense up to
+`DENSE_MAX_T` queries and blockwise beyond. Query scaling is already folded into the queries
+(`Attention`), so every form is called with scale 1.
 
 cuDNN and splash mask by index (query i sees keys j <= i), which equals qjax's positional mask
 when the keys are the queries' own at consecutive positions. `fused_attend` therefore checks
@@ -36,6 +38,9 @@ _LOG = logging.getLogger('qjax.nn.attention_forms')
 FORMS = ('dense', 'blockwise', 'sdpa_xla', 'cudnn', 'splash')
 # cuDNN's fused attention: head dims it takes in every cuDNN 9 release qjax supports.
 CUDNN_MAX_HEAD_DIM = 128
+# Where no fused kernel applies, the longest T that runs dense (what 'dense' ran before the
+# fused forms): its T x S logits are 16 MiB per head at T = S = 1024; longer runs blockwise.
+DENSE_MAX_T = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +101,18 @@ def choose_form(impl: str, *, t: int, dtype, head_dim: int,
       why.append(f'head_dim {head_dim} (cuDNN takes multiples of 8 up to '
                  f'{CUDNN_MAX_HEAD_DIM})')
     if why:
-      return Form('blockwise', 'cuDNN flash attention cannot take ' + ', '.join(why))
+      return _unfused(t, 'cuDNN flash attention cannot take ' + ', '.join(why))
     return Form('cudnn', 'NVIDIA: cuDNN flash attention')
   if logit_softcap is not None:
-    return Form('blockwise', "jax.nn.dot_product_attention has no logit softcap")
+    return _unfused(t, 'jax.nn.dot_product_attention has no logit softcap')
   return Form('sdpa_xla', f"{on}: jax.nn.dot_product_attention(implementation='xla')")
+
+
+def _unfused(t: int, why: str) -> Form:
+  """Where no fused kernel takes a call: dense up to DENSE_MAX_T queries, else blockwise."""
+  if t <= DENSE_MAX_T:
+    return Form('dense', f'{why}; T = {t} <= {DENSE_MAX_T}: dense')
+  return Form('blockwise', f'{why}; T = {t} > {DENSE_MAX_T}: blockwise (O(T) memory)')
 
 
 def _aligned(q_pos_BT: jax.Array, k_pos_BS: jax.Array, from_zero: bool) -> jax.Array:

@@ -78,20 +78,23 @@ def test_splash_gradients_match_dense():
 @pytest.mark.parametrize('on,impl,dtype,softcap,head_dim,want', [
     ('cpu', 'auto', 'float32', None, 64, 'dense'),
     ('cpu', 'fused', 'float32', None, 64, 'sdpa_xla'),
-    ('cpu', 'fused', 'float32', 50.0, 64, 'blockwise'),
+    ('cpu', 'fused', 'float32', 50.0, 64, 'unfused'),
     ('nvidia', 'auto', 'bfloat16', None, 64, 'cudnn'),
-    ('nvidia', 'auto', 'bfloat16', None, 256, 'blockwise'),  # Gemma 3 head dim
-    ('nvidia', 'auto', 'float32', None, 64, 'blockwise'),
-    ('nvidia', 'fused', 'bfloat16', 50.0, 64, 'blockwise'),  # Gemma 2 softcap
+    ('nvidia', 'auto', 'bfloat16', None, 256, 'unfused'),  # Gemma 3 head dim
+    ('nvidia', 'auto', 'float32', None, 64, 'unfused'),
+    ('nvidia', 'fused', 'bfloat16', 50.0, 64, 'unfused'),  # Gemma 2 softcap
     ('tpu', 'auto', 'float32', 50.0, 256, 'splash'),
     ('tpu', 'dense', 'bfloat16', None, 64, 'dense'),
 ])
 def test_choose_form_per_platform(on, impl, dtype, softcap, head_dim, want):
-  form = choose_form(impl, t=64, dtype=dtype, head_dim=head_dim, logit_softcap=softcap, on=on)
-  assert form.name == want, form
+  short, long = (choose_form(impl, t=t, dtype=dtype, head_dim=head_dim, logit_softcap=softcap,
+                             on=on) for t in (64, 4096))
+  if want == 'unfused':  # no fused kernel takes it: dense while short, blockwise when long
+    assert (short.name, long.name) == ('dense', 'blockwise'), (short, long)
+    assert 'cannot take' in long.reason or 'softcap' in long.reason
+  else:
+    assert short.name == long.name == want, short
   assert choose_form(impl, t=1, dtype=dtype, head_dim=head_dim, on=on).name == 'dense'
-  if want == 'blockwise' and impl != 'blockwise':
-    assert 'cannot take' in form.reason or 'softcap' in form.reason
 
 
 def test_unknown_impl_is_refused_with_the_choices():
