@@ -90,8 +90,9 @@ def _online_step(state, q_parts, k_parts, v_parts, ok_XY, *, softcap, use_dot):
 def _visible(slot, q_pos, last, *, window, ring_span):
   """Whether the keys in `slot` (slot j*P + s of a row's table) are visible to its query."""
   if ring_span:  # the newest position p <= last with p = slot (mod span)
-    back = jax.lax.rem(last - slot, ring_span)
-    pos = last - jnp.where(back < 0, back + ring_span, back)
+    base = last - jax.lax.rem(last, ring_span)  # a scalar remainder; vectors only add/select
+    pos = base + slot
+    pos = jnp.where(pos > last, pos - ring_span, pos)
     ok = (pos >= 0) & (pos <= q_pos)
   else:
     pos = slot
@@ -99,6 +100,14 @@ def _visible(slot, q_pos, last, *, window, ring_span):
   if window is not None:
     ok &= q_pos - pos < window
   return ok
+
+
+def _div(x: jax.Array, d: int) -> jax.Array:
+  """x // d for non-negative int32 x: a shift when d is a power of two (vector units have no
+  integer divide)."""
+  if d & (d - 1) == 0:
+    return jax.lax.shift_right_logical(x, jnp.int32(d.bit_length() - 1))
+  return jax.lax.div(x, jnp.int32(d))
 
 
 def _page_range(q_pos, *, page_size, width, window, ring_span):
@@ -182,10 +191,10 @@ def _mosaic_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, kh, scaled, cf
     v_parts = _dequantized(v_ref[...], scale(vs_ref), cfg['int4'])
     rows, cols = q_parts[0].shape[0], k_parts[0].shape[0]
     col_1Y = jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
-    slot_1Y = j * cfg['page_size'] + jax.lax.div(col_1Y, kh)
-    head_X1 = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), rows // kh)
-    ok_XY = (head_X1 == jax.lax.rem(col_1Y, kh)) & _visible(slot_1Y, q_pos, last,
-                                                              **cfg['mask'])
+    slot_1Y = j * cfg['page_size'] + _div(col_1Y, kh)
+    head_X1 = _div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), rows // kh)
+    ok_XY = ((head_X1 == col_1Y - _div(col_1Y, kh) * kh)
+             & _visible(slot_1Y, q_pos, last, **cfg['mask']))
     state = (m_scr[...], l_scr[...], tuple(a[...] for a in acc_scr))
     m_X1, l_X1, acc = _online_step(state, q_parts, k_parts, v_parts, ok_XY,
                                    softcap=cfg['softcap'], use_dot=True)
