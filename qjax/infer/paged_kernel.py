@@ -37,7 +37,9 @@ def attention_form(pool, t: int, on: Optional[str] = None,
   the kernel does not read (scales shared along H, zero points, 2/3-bit codes; for Triton,
   page sizes and head dims that are not powers of two). `QJAX_PAGED_ATTENTION` overrides the
   choice for the process: 'scan', 'kernel' (on any backend) or 'interpret' (the kernel in
-  Pallas interpret mode, for tests on CPU); unset or 'auto' decides by platform.
+  Pallas interpret mode, for tests on CPU); unset or 'auto' decides by platform. With several
+  devices 'auto' keeps the scan: a `pallas_call` is not partitioned, so pools sharded over a
+  mesh (`shard_pools`) would be gathered onto every device.
 
   Args:
     pool: a layer's key pool (num_pages, P, K, H), an array or a QArray.
@@ -72,7 +74,6 @@ def attention_form(pool, t: int, on: Optional[str] = None,
   if on in ('nvidia', 'tpu'):
     devices = devices or jax.device_count()
     if devices > 1:
-      # A pallas_call is not partitioned: sharded pools (`shard_pools`) would be gathered.
       return PagedForm('scan', None, f'{devices} devices: pools may be sharded, '
                        'and the kernel runs on one device (QJAX_PAGED_ATTENTION=kernel forces '
                        'it)')
