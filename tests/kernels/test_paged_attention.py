@@ -100,8 +100,14 @@ def test_kernel_lowers_for_its_accelerator(backend, platform, target, kind):
   args = (jax.ShapeDtypeStruct((4, 32, 64), jnp.bfloat16), pool, pool,
           jax.ShapeDtypeStruct((4, 8), jnp.int32), rows, rows, scales, scales)
   unchecked = [jax.export.DisabledSafetyCheck.custom_call('__gpu$xla.gpu.triton')]
-  text = jax.export.export(jax.jit(f), platforms=[platform],
-                           disabled_checks=unchecked)(*args).mlir_module()
+  # Triton lowering reads the target GPU from the device (jax >= 0.12: from an abstract mesh's
+  # device when none is attached).
+  gpu = jax.sharding.AbstractDevice(device_kind='NVIDIA H100 80GB HBM3', num_cores=None,
+                                    platform='cuda')
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ('x',),
+                                                                abstract_device=gpu)):
+    text = jax.export.export(jax.jit(f), platforms=[platform],
+                             disabled_checks=unchecked)(*args).mlir_module()
   assert target in text
 
 
