@@ -125,26 +125,30 @@ def decode_cells(cfg: TransformerConfig, context: int, batch: int, kv: str, reps
   read = pool_bytes / (cache.k[0].shape[0] * PAGE_SIZE) * batch * (context + 1)  # K+V seen
   cells = {'kv_bytes_read': int(read)}
 
-  def run(mode):
+  def run(mode, fn):
+    """fn() with QJAX_PAGED_ATTENTION=mode while it traces (the variable restored after)."""
+    old = os.environ.get('QJAX_PAGED_ATTENTION')
     os.environ['QJAX_PAGED_ATTENTION'] = mode
     try:
-      return _time(lambda c, q, p: c.attend(0, q, p), (cache, q, pos), reps)
+      return fn()
     finally:
-      os.environ.pop('QJAX_PAGED_ATTENTION')
-  ms, temp = run('scan')
+      if old is None:
+        os.environ.pop('QJAX_PAGED_ATTENTION')
+      else:
+        os.environ['QJAX_PAGED_ATTENTION'] = old
+  # A new function per trace: jit caches traces by function, and the mode is read while tracing.
+  attend = lambda: lambda c, q, p: c.attend(0, q, p)
+  timed = lambda: _time(attend(), (cache, q, pos), reps)
+  ms, temp = run('scan', timed)
   cells['before'] = {'form': 'scan', 'ms': ms, 'temp_bytes': temp}
-  form = attention_form(cache.k[0], 1)
+  form = run('auto', lambda: attention_form(cache.k[0], 1))
   if form.name == 'kernel':
-    ms, temp = run('kernel')
+    ms, temp = run('kernel', timed)
     cells['after'] = {'form': f'kernel ({form.backend})', 'ms': ms, 'temp_bytes': temp}
     cells['speedup'] = cells['before']['ms'] / ms
-  else:  # checked in interpret mode on a slice, not timed
-    os.environ['QJAX_PAGED_ATTENTION'] = 'interpret'
-    try:
-      got = jax.jit(lambda c, q, p: c.attend(0, q, p))(cache, q, pos)
-    finally:
-      os.environ.pop('QJAX_PAGED_ATTENTION')
-    want = jax.jit(lambda c, q, p: c.attend(0, q, p))(cache, q, pos)
+  else:  # checked in interpret mode, not timed
+    got = run('interpret', lambda: jax.jit(attend())(cache, q, pos))
+    want = run('scan', lambda: jax.jit(attend())(cache, q, pos))
     err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
     cells['after'] = {'form': 'kernel (interpret)', 'skipped': form.reason,
                       'max_abs_diff_vs_scan': err}
