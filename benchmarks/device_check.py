@@ -24,8 +24,10 @@ measures, on the default backend:
     import and torch sees the device (`generate` timed as a difference of two lengths).
 Rows run in the order given until `--budget_s` is spent; the rest are listed as not run.
 Results are written after every row (`device_check.json`), so a run stopped from outside
-keeps what it measured. `--smoke`: tiny shapes of both models, batches 1 and 2, a few steps:
-proves every row runs, on CPU, in about a minute (tests/benchmarks runs it).
+keeps what it measured. Then the attention section (`--attention=yes`, default):
+`benchmarks/attention_timing.py`'s prefill and paged decode attention, before and after the
+fused forms, at 2k/8k/32k context. `--smoke`: tiny shapes of both models, batches 1 and 2, a
+few steps: proves every row runs, on CPU, in about a minute (tests/benchmarks runs it).
 
 Model shapes: 'llama32_1b' is Llama 3.2 1B (1.24 B parameters, tied head, GQA 32/8, head_dim
 64); 'gemma3_270m' is Gemma 3 270M. int4 groups are 128 (o_proj's groups run along its
@@ -63,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import attention_timing
 from qjax import costmodel, fp8_format, int_format
 from qjax.core import choose_path, layouts
 from qjax.eval import memory as qmemory
@@ -417,6 +420,9 @@ def markdown(result: dict) -> str:
     lines.append('')
   if result.get('not_run'):
     lines += ['Not run (time budget): ' + ', '.join(result['not_run']) + '.', '']
+  if result.get('attention'):
+    lines += ['## Attention (benchmarks/attention_timing.py)', '',
+              attention_timing.markdown(result['attention'])]
   lines.append(f"Wall time of the whole check: {result['wall_s']:.0f} s.")
   return '\n'.join(lines) + '\n'
 
@@ -454,6 +460,9 @@ def main(argv=None) -> dict:
                        'executable to compile per row; the device loop runs at every batch)')
   ap.add_argument('--hf', default='auto', choices=('auto', 'no'))
   ap.add_argument('--budget_s', type=float, default=330.0)
+  ap.add_argument('--attention', default='yes', choices=('yes', 'no'),
+                  help='the attention section (benchmarks/attention_timing.py) after the rows')
+  ap.add_argument('--attention_budget_s', type=float, default=150.0)
   ap.add_argument('--threads', type=int, default=None,
                   help='compile threads per row (default: min(8, cores))')
   ap.add_argument('--render', default=None,
@@ -500,6 +509,12 @@ def main(argv=None) -> dict:
       json.dump(result, fh, indent=1, default=str)
     jax.clear_caches()
     gc.collect()
+  if a.attention == 'yes':
+    print('device_check: attention ...', flush=True)
+    chip = chip_for(jax.devices()[0])
+    result['attention'] = attention_timing.measure(
+        smoke=a.smoke, models=models, kvs=('int8',) if a.smoke else ('int8', 'bf16'),
+        budget_s=a.attention_budget_s, hbm_bw=chip and chip.hbm_bw)
   result['wall_s'] = time.perf_counter() - start
   with open(json_path, 'w') as fh:
     json.dump(result, fh, indent=1, default=str)

@@ -14,10 +14,10 @@ import time
 from typing import Optional
 
 from qjax.checkpoints import param_cache
-from qjax.checkpoints.gguf import load_gguf, open_gguf
+from qjax.checkpoints.gguf import cached_config, load_gguf, open_gguf
 from qjax.checkpoints.quantized import quantize_streamed
 from qjax.checkpoints.tokenizer import check_vocab, gguf_tokenizer
-from qjax.nn import QuantPolicy, TransformerConfig
+from qjax.nn import QuantPolicy
 
 
 def gemma3_270m_path() -> str:
@@ -67,7 +67,7 @@ def load_gemma3_270m(*, param_dtype: str = 'float32', cache: bool = True,
     t0 = time.perf_counter()
     params = param_cache.LazyParams(entry / 'params.safetensors')
     param_cache.verify_params(params, str(entry))
-    cfg = TransformerConfig(**dict(params.metadata['config'], param_dtype=param_dtype))
+    cfg = cached_config(params.metadata['config'], param_dtype)
     model, report = quantize_streamed(cfg, params, policy, source=f'cache {entry}')
     info = dict(sha256=param_cache.sha256_of(path), config=cfg,
                 tensor_types=params.metadata['tensor_types'], cache='hit' if not cold else

@@ -60,6 +60,17 @@ _PROJECTIONS = {  # GGUF block tensor -> qjax Einsum path; weights are (out, in)
     'attn_output': 'attn/o_proj', 'ffn_gate': 'mlp/gate_proj', 'ffn_up': 'mlp/up_proj',
     'ffn_down': 'mlp/down_proj'}
 
+# Config fields that say how to run the model, not what the file holds: the parameter cache
+# neither stores nor restores them (an entry written before a default changed keeps none).
+_RUN_FIELDS = ('attention_impl', 'attention_block')
+
+
+def cached_config(fields: dict, param_dtype: str) -> TransformerConfig:
+  """The TransformerConfig a parameter cache entry's 'config' fields describe, with the
+  caller's param dtype and today's defaults for the fields that say how to run it."""
+  what = {k: v for k, v in fields.items() if k not in _RUN_FIELDS}
+  return TransformerConfig(**dict(what, param_dtype=param_dtype))
+
 
 def _check_gguf_path(path: str) -> None:
   """Raise for a directory (naming a .gguf inside) or a missing file."""
@@ -214,7 +225,7 @@ def load_gguf(path: os.PathLike, *, param_dtype: str = 'float32', cache: bool = 
     try:
       params = param_cache.LazyParams(entry)
       param_cache.verify_params(params, str(entry))
-      cfg = TransformerConfig(**dict(params.metadata['config'], param_dtype=param_dtype))
+      cfg = cached_config(params.metadata['config'], param_dtype)
       model = model_from_params(cfg, params, source=f'cache {entry}')
       return model, dict(sha256=sha, config=cfg, tensor_types=params.metadata['tensor_types'],
                          cache='hit', cache_path=str(entry),
@@ -227,7 +238,8 @@ def load_gguf(path: os.PathLike, *, param_dtype: str = 'float32', cache: bool = 
   params, types = gguf_params(reader, cfg)
   del reader
   if cache:
-    cfg32 = {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'param_dtype'}
+    cfg32 = {k: v for k, v in dataclasses.asdict(cfg).items()
+             if k != 'param_dtype' and k not in _RUN_FIELDS}
     param_cache.save_params(entry, params, {'config': cfg32, 'tensor_types': types,
                                             'source_sha256': sha})
   model = model_from_params(cfg, params, source=path)

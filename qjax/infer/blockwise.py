@@ -26,12 +26,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qjax.nn.attention import Attention, attend, attend_blockwise
+from qjax.nn.attention_forms import choose_form, fused_attend
 from qjax.nn.config import ATTENTION_IMPLS
 
 
 def with_attention_impl(model: nnx.Module, impl: str,
                         block_size: Optional[int] = None) -> nnx.Module:
-  """A copy of `model` whose attention layers use `impl` ('dense' or 'blockwise').
+  """A copy of `model` whose attention layers use `impl` ('auto', 'fused', 'dense' or
+  'blockwise'; `qjax.nn.layer_forms` says what each then runs).
 
   Args:
     model: a `Transformer` (float or quantized).
@@ -61,7 +63,8 @@ def attention_temp_bytes(seq_len: int, impl: str, *, num_heads: int = 4, num_kv_
 
   Args:
     seq_len: T = S (a prefill, or a cache-free forward), batch 1.
-    impl: 'dense' or 'blockwise'.
+    impl: one of `ATTENTION_IMPLS`; 'auto' and 'fused' measure the form they run on this
+      platform (`qjax.nn.attention_forms.choose_form`).
     num_heads, num_kv_heads, head_dim: N, K, H (defaults: Gemma 3 270M).
     block_size: keys per block of the blockwise path.
     window: sliding window, or None.
@@ -75,11 +78,15 @@ def attention_temp_bytes(seq_len: int, impl: str, *, num_heads: int = 4, num_kv_
   q = jax.ShapeDtypeStruct((1, seq_len, num_heads, head_dim), jnp.float32)
   kv = jax.ShapeDtypeStruct((1, seq_len, num_kv_heads, head_dim), jnp.float32)
   pos = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-  if impl == 'dense':
+  form = choose_form(impl, t=seq_len, dtype=jnp.float32, head_dim=head_dim).name
+  if form == 'dense':
     fn = lambda q, k, v, p: attend(q, k, v, p, p, window=window)
-  else:
+  elif form == 'blockwise':
     fn = lambda q, k, v, p: attend_blockwise(q, k, v, p, p, window=window,
                                              block_size=block_size)
+  else:  # the fused form `impl` runs on this platform
+    fn = lambda q, k, v, p: fused_attend(form, q, k, v, p, p, window=window,
+                                         block_size=block_size)
   compiled = jax.jit(fn).lower(q, kv, kv, pos).compile()
   return int(compiled.memory_analysis().temp_size_in_bytes)
 

@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from qjax.core import QArray, QFormat, dequantize, quantize
+from qjax.infer import paged_kernel
 from qjax.nn import kvcache
 from qjax.nn.attention import EMPTY_POSITION, online_attend
 from qjax.nn import axes as ax
@@ -207,9 +208,15 @@ class PagedKVCache:
 
   def _attend_rows(self, layer, q_BTNH, positions_BT, table, last_B, *, window,
                    logit_softcap):
-    """`attend` of rows that each read their own `table` row (ring or block table), a block
-    of about KEYS_PER_BLOCK keys (whole pages) per online-softmax step."""
+    """`attend` of rows that each read their own `table` row (ring or block table): the
+    paged attention kernel for one query per row where `paged_kernel.attention_form` picks
+    it, else an online softmax over blocks of about KEYS_PER_BLOCK keys (whole pages)."""
     pool_k, pool_v, p = self.k[layer], self.v[layer], self.page_size
+    form = paged_kernel.attention_form(pool_k, q_BTNH.shape[1])
+    if form.name != 'scan':
+      return paged_kernel.attend(form, pool_k, pool_v, q_BTNH, positions_BT, table, last_B,
+                                 ring=self.ring[layer], window=window,
+                                 logit_softcap=logit_softcap)
     b, width = table.shape
     g = max(1, min(width, KEYS_PER_BLOCK // p))  # pages per block
     nb = -(-width // g)

@@ -15,14 +15,13 @@ __all__ = [
     "apply_fake_quant", "apply_rope", "attend", "attend_blockwise", "attention_mask",
     "check_token_ids", "decode_step", "decode_steps", "einsum_layers", "greedy_generate",
     "greedy_step",
-    "init_cache", "logits_step", "online_attend", "kv_format", "model_report", "num_params",
-    "param_count", "quantize_model", "relayout_model", "resolve_format",
-    "set_kv_format", "weight_bytes",
-    "with_kv_format",
+    "init_cache", "kv_format", "layer_forms", "logits_step", "online_attend", "model_report",
+    "num_params", "param_count", "quantize_model", "relayout_model", "resolve_format",
+    "set_kv_format", "weight_bytes", "with_kv_format",
 ]
 
 from qjax.nn.attention import (Attention, attend, attend_blockwise, attention_mask, kv_format,
-                               online_attend, set_kv_format, with_kv_format)
+                               layer_forms, online_attend, set_kv_format, with_kv_format)
 from qjax.nn.config import TransformerConfig, num_params
 from qjax.nn.generate import (decode_step, decode_steps, greedy_generate, greedy_step,
                                logits_step)

@@ -9,11 +9,14 @@ forward, fake-quantized (straight-through) without a cache and quantized by a ca
 format, so the full forward (training, perplexity) computes what cached serving computes.
 `kv_format(model)` reads it, `with_kv_format(model, fmt)` sets it on a copy.
 
-Two exact implementations, chosen by `TransformerConfig.attention_impl`: `attend` (dense:
-the T x S logits at once) and `attend_blockwise` (FlashAttention's online softmax, Dao et al.
-2022, as a `lax.scan` over key blocks: a running max, normaliser and weighted sum per query,
-so temp memory is O(T * block) instead of O(T * S)). `online_attend` is the scan itself over
-any sequence of key blocks; a paged cache (`qjax.infer.PagedKVCache`) feeds it its pages.
+Two exact implementations in plain jnp: `attend` (dense: the T x S logits at once) and
+`attend_blockwise` (FlashAttention's online softmax, Dao et al. 2022, as a `lax.scan` over
+key blocks: a running max, normaliser and weighted sum per query, so temp memory is O(T *
+block) instead of O(T * S)). `online_attend` is the scan itself over any sequence of key
+blocks; a paged cache (`qjax.infer.PagedKVCache`) feeds it its pages. They are the reference
+and the CPU path; on GPU/TPU `TransformerConfig.attention_impl` ('auto' by default) selects a
+fused kernel where one applies, decided in `qjax.nn.attention_forms.choose_form`
+(`layer_forms(model, t)` lists each layer's form and why).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qjax.core import QFormat
+from qjax.nn import attention_forms
 from qjax.nn import axes
 from qjax.nn import kvcache
 from qjax.nn import shard_hooks
@@ -243,17 +247,43 @@ class Attention(nnx.Module):
       cache, k_BSKH, v_BSKH, k_pos_BS = kvcache.write_and_read(cache, self.layer, k_BTKH,
                                                                v_BTKH, positions_BT)
     k_BSKH, v_BSKH = k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype)
-    # Decode (T = 1) is O(S) either way; blockwise pays off where T is long.
-    if self.impl == 'blockwise' and q_BTNH.shape[1] > 1:
+    form = self.form(q_BTNH.shape[1], q_BTNH.dtype)
+    if form.name == 'blockwise':
       out_BTNH = attend_blockwise(q_BTNH, k_BSKH, v_BSKH, positions_BT, k_pos_BS,
                                   block_size=self.block_size, **kw)
-    else:
+    elif form.name == 'dense':
       out_BTNH = attend(q_BTNH, k_BSKH, v_BSKH, positions_BT, k_pos_BS, **kw)
+    else:
+      own = None  # a quantized cache rounds what it stores: attend over what it read back
+      if cache is not None and cache.qformat is None:
+        stored = lambda x: x.astype(cache.k[self.layer].dtype).astype(q_BTNH.dtype)
+        own = (stored(k_BTKH), stored(v_BTKH))
+      out_BTNH = attention_forms.fused_attend(form.name, q_BTNH, k_BSKH, v_BSKH, positions_BT,
+                                              k_pos_BS, own=own, block_size=self.block_size,
+                                              **kw)
     return out_BTNH, cache
+
+  def form(self, t: int, dtype) -> attention_forms.Form:
+    """The form a call of T queries runs on this platform (`attention_forms.choose_form`)."""
+    return attention_forms.choose_form(self.impl, t=t, dtype=dtype,
+                                       head_dim=self.k_proj.weight_shape[-1],
+                                       logit_softcap=self.logit_softcap)
 
 
 def _attention_layers(model: nnx.Module) -> list[Attention]:
   return [m for _, m in nnx.iter_modules(model) if isinstance(m, Attention)]
+
+
+def layer_forms(model: nnx.Module, t: int, dtype=None) -> list[attention_forms.Form]:
+  """The form each attention layer of `model` runs for T queries on this platform, and why.
+
+  Args:
+    model: a model with `Attention` layers.
+    t: T, queries per row (1: decode; > 1: prefill or a full forward).
+    dtype: the queries' dtype (default: the model config's compute dtype).
+  """
+  dtype = dtype or model.config.compute_dtype
+  return [m.form(t, dtype) for m in _attention_layers(model)]
 
 
 def kv_format(model: nnx.Module) -> Optional[QFormat]:

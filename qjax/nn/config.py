@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from qjax.nn.rope import RopeScaling
 
 MLP_KINDS = ('swiglu', 'geglu')
-ATTENTION_IMPLS = ('dense', 'blockwise')
+ATTENTION_IMPLS = ('auto', 'fused', 'dense', 'blockwise')
 _DTYPES = ('float32', 'bfloat16', 'float16')
 
 
@@ -61,9 +61,12 @@ class TransformerConfig:
     dtype: compute dtype name; softmax and norms run in float32 regardless.
     param_dtype: parameter dtype name.
     qkv_bias: learned biases on the q/k/v projections (Qwen2), added before qk norm and RoPE.
-    attention_impl: 'dense' (materialise the T x S logits) or 'blockwise' (exact online
-      softmax over key blocks of `attention_block` keys: temp memory O(T), not O(T * S));
-      used by cache-free forwards (perplexity) and by prefill against a contiguous cache.
+    attention_impl: 'auto' (default: 'dense' on CPU, 'fused' on GPU/TPU), 'fused' (cuDNN
+      flash attention on NVIDIA, Pallas splash attention on TPU, where they apply), 'dense'
+      (materialise the T x S logits) or 'blockwise' (exact online softmax over key blocks of
+      `attention_block` keys: temp memory O(T), not O(T * S)); used by cache-free forwards
+      (training, perplexity) and by prefill against a contiguous cache. The form each layer
+      runs, and why, is `qjax.nn.attention_forms.choose_form`.
     attention_block: keys per block of the blockwise path.
   """
 
@@ -93,7 +96,7 @@ class TransformerConfig:
   dtype: str = 'float32'
   param_dtype: str = 'float32'
   qkv_bias: bool = False
-  attention_impl: str = 'dense'
+  attention_impl: str = 'auto'
   attention_block: int = 512
 
   def __post_init__(self):

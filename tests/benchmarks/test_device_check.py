@@ -28,6 +28,11 @@ def test_smoke_run_writes_json_markdown_and_plot(tmp_path):
   text = (tmp_path / 'device_check.md').read_text()
   assert '## llama32_1b' in text and '## gemma3_270m' in text and '| w8a8 |' in text
   assert (tmp_path / 'device_check.png').read_bytes()[:4] == b'\x89PNG'
+  att = saved['attention']  # the attention section: every cell of both models ran
+  assert [(r['model'], r['kv']) for r in att['decode']] == [('llama32_1b', 'int8'),
+                                                            ('gemma3_270m', 'int8')]
+  assert all(r['before']['ms'] > 0 for r in att['prefill'] + att['decode'])
+  assert '## Attention' in text and '### Paged decode attention' in text
 
 
 def test_bad_names_fail_before_anything_runs(tmp_path):

@@ -57,7 +57,7 @@ def test_model_forward_and_prefill_match_the_dense_model():
   cfg = TransformerConfig.tiny(sliding_window=6, global_every=2, attn_logit_softcap=30.0)
   dense = Transformer(cfg, rngs=nnx.Rngs(0))
   blockwise = with_attention_impl(dense, 'blockwise', block_size=8)
-  assert blockwise.config.attention_impl == 'blockwise' and dense.config.attention_impl == 'dense'
+  assert blockwise.config.attention_impl == 'blockwise' and dense.config.attention_impl == 'auto'
   tokens = jax.random.randint(jax.random.key(0), (2, 37), 0, cfg.vocab_size)
 
   @nnx.jit
