@@ -28,12 +28,19 @@ chunk-wide rows for decodes (the step costs are in docs/engine.md).
 So the step compiles once per bucket (`Engine.buckets`; `compile_buckets` does it up front).
 Before each step the host checks every sequence's write against its pages and the context
 (`page_host.check_step`), so an overflow is an error naming the request.
+
+While every running request decodes, a dispatch runs up to `EngineConfig.decode_block` steps
+on the device with the rows' state kept there (`qjax.infer.engine_block`); the tokens are
+those of one step per dispatch. `EngineStats` splits the time into host planning, dispatch,
+device wait and compilation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
+import time
 from typing import Iterator, Optional, Sequence, Union
 
 import jax
@@ -41,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qjax.infer import page_host, paged
+from qjax.core.decode_paths import DecodeWeights
+from qjax.infer import engine_block, page_host, paged
 from qjax.infer.engine_config import EngineConfig, EngineStats
 from qjax.infer.prefix_cache import PrefixCache
 from qjax.infer.sampling import SamplingBatch, SamplingParams, finish_reason, row_keys, sample
@@ -51,6 +59,7 @@ from qjax.nn import validate
 from qjax.nn.attention import kv_format
 from qjax.nn.generate import argmax_or_non_finite
 from qjax.nn.kvcache import check_format
+from qjax.nn.model_split import StaticGraphdef, merge
 
 
 def _buckets(max_batch: int, chunk: int) -> tuple[tuple[int, int, int], ...]:
@@ -71,6 +80,7 @@ def _buckets(max_batch: int, chunk: int) -> tuple[tuple[int, int, int], ...]:
 
 
 _TRACES = [0]  # how often `_step` was traced (= compiled), over every engine
+_GREEDY = SamplingParams(temperature=0.0)  # the parameters of an idle row
 
 
 def _greedy(logits_BV):
@@ -84,7 +94,7 @@ def _greedy(logits_BV):
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3,))
 def _step(graphdef, state, tokens_BT, cache, last_B, params, position_B, seen_BV):
   _TRACES[0] += 1  # runs only while tracing
-  model = nnx.merge(graphdef, state)
+  model = merge(graphdef, state)
   x_BTD, cache = paged.forward(model, tokens_BT, cache)
   x_B1D = x_BTD.reshape(-1, 1, x_BTD.shape[-1])[last_B]  # last_B: each row's last token
   logits_BV = model.logits(x_B1D)[:, 0]
@@ -155,15 +165,21 @@ class Engine:
         cfg, num_pages=config.num_pages, page_size=p, batch=config.max_batch,
         max_pages=self.max_pages, ring_pages=ring_pages, num_ring_pages=num_ring,
         fmt=self.qformat)
-    self.graphdef, self.state = nnx.split(model)
+    # Split once; the graphdef hashed once (a static jit argument hashed every call would
+    # cost ms per step), and bf16 weights widened once on XLA:CPU without the kernel.
+    graphdef, self.state = nnx.split(model)
+    self.graphdef = StaticGraphdef(graphdef)
     if mesh is not None:
       self.cache = paged.shard_pools(self.cache, rules, mesh)
       if shard_weights:
         self.state = jax.device_put(self.state,
                                     sharding.state_shardings(self.state, rules, mesh))
+    self.state = DecodeWeights(self.state)(self.state)
+    self._resident = engine_block.Resident()
+    self._batches: dict[tuple, SamplingBatch] = {}
     self.mesh = mesh
     self.stats = EngineStats()
-    self._traces_before = _TRACES[0]
+    self._traces_before = self._traces()
     self._ids = itertools.count()
     self._seqs: dict[str, SeqState] = {}
 
@@ -237,8 +253,146 @@ class Engine:
 
   # ---- stepping ----------------------------------------------------------------------------
   def step(self) -> list[tuple[str, int]]:
-    """Run one batched step; returns (request id, token) of the tokens it generated."""
-    return self._run_plan(self.scheduler.schedule())
+    """Run one batched step, or a block of decode steps while every running request decodes
+    (`EngineConfig.decode_block`); returns (request id, token) of the tokens generated, in
+    step order."""
+    t0 = time.perf_counter()
+    plan = self.scheduler.schedule()
+    steps = self._block_steps(plan)
+    self.stats.host_s += time.perf_counter() - t0
+    if steps > 1:
+      return self._run_block(plan, steps)
+    return self._run_plan(plan)
+
+  @staticmethod
+  def _traces() -> int:
+    return _TRACES[0] + engine_block._TRACES[0]  # pylint: disable=protected-access
+
+  def _dispatch(self, fn, *args):
+    """`fn(*args)` (a jitted step), its time booked as dispatch or, when it compiled, as
+    compile time."""
+    before, t0 = self._traces(), time.perf_counter()
+    out = fn(*args)
+    dt = time.perf_counter() - t0
+    if self._traces() != before:
+      self.stats.compile_s += dt
+    else:
+      self.stats.dispatch_s += dt
+    self.stats.dispatches += 1
+    # Steps another engine of the same model and shapes compiled are reused, not counted.
+    self.stats.compilations = self._traces() - self._traces_before
+    return out
+
+  def _fetch(self, tree):
+    """The step's outputs on the host; the time blocked is the device wait."""
+    t0 = time.perf_counter()
+    out = jax.device_get(tree)
+    self.stats.wait_s += time.perf_counter() - t0
+    return out
+
+  def _sampling(self, params) -> SamplingBatch:
+    """`SamplingBatch.stack(params)`, kept on the device for a mix of params seen before."""
+    key = tuple(params)
+    batch = self._batches.get(key)
+    if batch is None:
+      if len(self._batches) > 64:
+        self._batches.clear()
+      batch = self._batches[key] = SamplingBatch.stack(params)
+    return batch
+
+  def _block_steps(self, plan) -> int:
+    """Decode steps the next dispatch may run as a block (1: a single step): every running
+    sequence decodes, none needs the host per token, and the pages for K steps are there."""
+    k = self.config.decode_block
+    live = [s for s in plan.rows if s is not None]
+    if k == 1 or not live:
+      return 1
+    for seq, n in zip(plan.rows, plan.num_new):
+      if seq is None:
+        continue
+      prm = seq.params
+      if (n != 1 or seq.num_pending != 1 or not seq.output or prm.stop_strings
+          or prm.repetition_penalty != 1):
+        return 1
+    if not self.scheduler.reserve_all(k):
+      return 1
+    return k
+
+  def _run_block(self, plan, k: int) -> list[tuple[str, int]]:
+    """Up to `k` decode steps of every running row in one dispatch (`engine_block`)."""
+    t0 = time.perf_counter()
+    b, p = self.config.max_batch, self.config.page_size
+    rows = plan.rows
+    host = engine_block.row_arrays(rows, self.max_pages, self.cache.ring_table.shape[1])
+    live = [s for s in rows if s is not None]
+    page_host.check_step([s.id for s in live], [s.num_cached for s in live],
+                         [min(k, s.max_tokens - len(s.output)) for s in live],
+                         [len(s.pages) for s in live], p, self.max_len)
+    res = self._resident
+    sent0, kept0 = res.sent, res.kept
+    cache = dataclasses.replace(
+        self.cache, block_table=res.put('table', host['table']),
+        ring_table=res.put('ring', host['ring']), length=res.put('length', host['length']),
+        num_new=res.put('num_new', np.zeros(b, np.int32)), seq_of=None, slot_of=None,
+        att_width=0, att_wide=0)
+    dev_rows = engine_block.BlockRows(
+        tok_B=res.put('tok', host['tok']), position_B=res.put('position', host['position']),
+        max_B=res.put('max', host['max']), stop_BS=res.put('stop', host['stop']),
+        live_B=res.put('live', host['live']))
+    params = self._sampling([s.params if s is not None else _GREEDY for s in rows])
+    stop_early = np.bool_(bool(self.scheduler.waiting))
+    self.stats.arrays_sent += res.sent - sent0
+    self.stats.arrays_kept += res.kept - kept0
+    self.stats.host_s += time.perf_counter() - t0
+    self.cache, new_rows, tok_BK, lp_BK, num_B = self._dispatch(
+        engine_block.decode_block, self.graphdef, self.state, cache, dev_rows, params, k,
+        stop_early)
+    tok_BK, lp_BK, num_B = self._fetch((tok_BK, lp_BK, num_B))
+    t0 = time.perf_counter()
+    events = self._complete_block(rows, tok_BK, lp_BK, num_B)
+    # What the device now holds, as the host would build it for the same rows: the next
+    # block sends none of these unless the rows changed (tables and limits did not change).
+    after = engine_block.row_arrays([s if s is not None and s.row == r and not s.finished
+                                     else None for r, s in enumerate(rows)],
+                                    self.max_pages, self.cache.ring_table.shape[1])
+    after['num_new'] = np.zeros(b, np.int32)
+    for name, dev in (('table', self.cache.block_table), ('ring', self.cache.ring_table),
+                      ('length', self.cache.length), ('num_new', self.cache.num_new),
+                      ('tok', new_rows.tok_B), ('position', new_rows.position_B),
+                      ('live', new_rows.live_B)):
+      res.hold(name, host[name] if name in ('table', 'ring') else after[name], dev)
+    self.stats.host_s += time.perf_counter() - t0
+    return events
+
+  def _complete_block(self, rows, tok_BK, lp_BK, num_B) -> list[tuple[str, int]]:
+    """Book a block's tokens as its steps would have, in step order."""
+    st, p, events = self.stats, self.config.page_size, []
+    ring = self.cache.ring
+    n_ring, n_full = sum(ring), len(ring) - sum(ring)
+    span = self.cache.ring_table.shape[1] * p
+    for i in range(int(np.max(num_B, initial=0))):
+      st.steps += 1
+      for row, seq in enumerate(rows):
+        if seq is None or i >= num_B[row]:
+          continue
+        seq.num_cached += 1
+        held = seq.num_cached
+        st.decode_tokens += 1
+        st.used_slots += n_full * held + n_ring * min(held, span)
+        st.allocated_slots += (n_full * len(seq.pages) + n_ring * len(seq.ring_pages)) * p
+        st.contiguous_slots += len(ring) * self.max_len
+        tok = int(tok_BK[row, i])
+        if tok < 0:  # NON_FINITE: no token to give
+          self.scheduler.fail(seq)
+          continue
+        seq.output.append(tok)
+        events.append((seq.id, tok))
+        if seq.params.logprobs:
+          seq.logprobs.append(float(lp_BK[row, i]))
+        if self._finished(seq):
+          seq.finished = True
+          self.scheduler.release(seq)
+    return events
 
   def _feed_draft(self, tokens_N1, layout: dict) -> None:
     """Hook: the same step's tokens and cache layout (`paged.with_step`'s arguments) for a
@@ -276,6 +430,7 @@ class Engine:
 
   def _run_plan(self, plan) -> list[tuple[str, int]]:
     """One batched step of `plan` (the scheduler's)."""
+    t0 = time.perf_counter()
     if not any(plan.num_new):
       if self.scheduler.waiting:
         raise RuntimeError(f'Engine: {len(self.scheduler.waiting)} requests wait but none can '
@@ -304,18 +459,20 @@ class Engine:
       for row, seq in enumerate(plan.rows):
         if seq is not None:
           seen[row, seq.tokens] = True
-    tok_B, logprob_B, self.cache = _step(
-        self.graphdef, self.state, jnp.asarray(tokens), self.cache, jnp.asarray(last),
-        SamplingBatch.stack(params), jnp.asarray(position), seen)
-    # Steps another engine of the same model and shapes compiled are reused, not counted.
-    self.stats.compilations = _TRACES[0] - self._traces_before
+    args = (jnp.asarray(tokens), self.cache, jnp.asarray(last), self._sampling(params),
+            jnp.asarray(position), seen)
+    self.stats.host_s += time.perf_counter() - t0
+    tok_B, logprob_B, self.cache = self._dispatch(_step, self.graphdef, self.state, *args)
+    tok_B, logprob_B = self._fetch((tok_B, logprob_B))
+    t0 = time.perf_counter()
     self._account(plan)
-    logprobs = np.asarray(logprob_B).tolist()
-    events = self.scheduler.complete(plan, np.asarray(tok_B).tolist(), self._finished)
+    logprobs = logprob_B.tolist()
+    events = self.scheduler.complete(plan, tok_B.tolist(), self._finished)
     sampled = {rid for rid, _ in events}
     for row, seq in enumerate(plan.rows):
       if seq is not None and seq.params.logprobs and seq.id in sampled:
         seq.logprobs.append(logprobs[row])
+    self.stats.host_s += time.perf_counter() - t0
     return events
 
   def compile_buckets(self) -> int:
@@ -332,7 +489,19 @@ class Engine:
       out = _step(self.graphdef, self.state, jnp.asarray(zeros(n, 1)), self.cache,
                   jnp.asarray(zeros(b)), params, jnp.asarray(zeros(b)), None)
       self.cache = jax.block_until_ready(out)[2]
-    self.stats.compilations = _TRACES[0] - self._traces_before
+    if self.config.decode_block > 1:  # the decode block, on rows none of which is live
+      host = engine_block.row_arrays([None] * b, self.max_pages,
+                                     self.cache.ring_table.shape[1])
+      rows = engine_block.BlockRows(*(jnp.asarray(host[k]) for k in
+                                      ('tok', 'position', 'max', 'stop', 'live')))
+      cache = dataclasses.replace(self.cache, block_table=jnp.asarray(host['table']),
+                                  ring_table=jnp.asarray(host['ring']),
+                                  length=jnp.asarray(host['length']), seq_of=None,
+                                  slot_of=None, att_width=0, att_wide=0)
+      out = engine_block.decode_block(self.graphdef, self.state, cache, rows, params,
+                                      self.config.decode_block, np.bool_(False))
+      self.cache = jax.block_until_ready(out)[0]
+    self.stats.compilations = self._traces() - self._traces_before
     return self.stats.compilations
 
   def _account(self, plan) -> None:

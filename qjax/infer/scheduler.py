@@ -223,6 +223,20 @@ class Scheduler:
     running or the pool cannot give them."""
     return seq in self.running and self._grow(seq, n, preempt_self=False)
 
+  def reserve_all(self, steps: int) -> bool:
+    """Pages for up to `steps` more decode positions of every running sequence (at most what
+    its max_tokens leave), taken without preempting; False if the pool cannot give them
+    all (those given stay with their sequences and are used by later steps)."""
+    for seq in self.running:
+      n = min(steps, seq.max_tokens - len(seq.output))
+      need = self.pages_for(seq.num_cached + n) - len(seq.pages)
+      if need > 0:
+        pages = self._take(need)
+        if pages is None:
+          return False
+        seq.pages += pages
+    return True
+
   def _admit(self, seq: Sequence, row: int) -> bool:
     if seq.swapped is not None:
       return self._swap_back(seq, row)

@@ -39,19 +39,20 @@ from qjax.infer.engine import Engine, EngineConfig
 from qjax.infer.sampling import SamplingBatch, SamplingParams, processed_logits, row_keys
 from qjax.infer.speculative import _ACCEPT, _DRAFT, _FINAL, SpecStats, check_compatible
 from qjax.nn import validate
+from qjax.nn.model_split import merge
 from qjax.nn.attention import kv_format
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3,))
 def _feed(dgraph, dstate, tokens_BT, dcache):
-  draft = nnx.merge(dgraph, dstate)
+  draft = merge(dgraph, dstate)
   return paged.forward(draft, tokens_BT, dcache)[1]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 4), donate_argnums=(5, 6))
 def _round(tgraph, tstate, dgraph, dstate, gamma, tcache, dcache, cur_B, gen_B, params):
   """Draft gamma tokens per row, verify them with one target forward; see the docstring."""
-  target, draft = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
+  target, draft = merge(tgraph, tstate), merge(dgraph, dstate)
 
   def draft_step(carry, i):
     dcache, tok_B = carry

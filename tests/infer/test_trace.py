@@ -110,7 +110,8 @@ def test_replays_continuous_static_and_prefix_caching_side_by_side():
   for row in rows.values():
     assert row['tokens'] == sum(r.max_tokens for r in trace) and row['compilations'] == 0
     assert 0 <= row['ttft_p50'] <= row['ttft_p90'] <= row['ttft_p99']
-    assert row['itl_p50'] > 0 and row['peak_running'] <= 3
+    # A block of decode steps returns its tokens together: within it the gaps are 0.
+    assert row['itl_p99'] > 0 and row['peak_running'] <= 3
   ratios = serving.ratios(list(rows.values()))
   assert ratios['outputs identical with prefix caching'] is True
   assert ratios['steps static / continuous'] == static['steps'] / cont['steps'] > 1
