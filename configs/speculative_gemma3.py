@@ -13,11 +13,11 @@ frequent tokens of the draft-training text (`speculative_sweep.train_text`). Row
 1 - TV(p, q), tokens per target pass vs (1 - alpha^(g+1)) / (1 - alpha), target passes per
 token, wall-clock speedup over plain decoding of the same target, greedy agreement with plain
 greedy (1.0 = exact) or the shift of the mean target log-probability per token (0 in
-expectation when exact), and the KL columns (`qjax.infer.speculative_sweep` docstring):
+expectation when exact), and the KL columns (`qjax.pipeline.speculative_sweep` docstring):
 kl_exact (KL of the law verify emits vs the target's, ~1e-7 = float rounding) and, with
 kl_rows > 0, the first token's empirical KL over kl_rows seeded rows against its null spread
 (kl_z). plot.png: alpha vs draft bits, speedup vs gamma. Rerunning skips finished points; a failing point is recorded and the
-sweep goes on (`qjax.infer.speculative_sweep`).
+sweep goes on (`qjax.pipeline.speculative_sweep`).
 
 Command:
   .venv/bin/python -m experiments.speculative --config=configs/speculative_gemma3.py

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qjax.infer import Engine, EngineConfig, SamplingParams, serving
-from qjax.infer import trace as tr
+from qjax.infer import Engine, EngineConfig, SamplingParams
+from qjax.pipeline import serving
+from qjax.pipeline import trace as tr
 from qjax.nn import Transformer, TransformerConfig
 
 CFG = TransformerConfig.tiny(max_len=64, sliding_window=8, global_every=2)

@@ -47,7 +47,7 @@ from flax import nnx
 from qjax import eval as qeval
 from qjax.core import int_format
 from qjax.eval.report import pyplot, save_figure
-from qjax.infer import draft as qdraft
+from qjax.pipeline import draft as qdraft
 from qjax.infer import speculative_core
 from qjax.infer.sampling import SamplingBatch, SamplingParams, processed_logits, sample_generate
 from qjax.infer.speculative import layer_skip_draft, speculative_generate
@@ -102,7 +102,7 @@ def make_draft(target, name: str, calib_tokens=None, head_tokens=None,
     if not os.path.exists(path):
       raise ValueError(f'make_draft: {name!r} needs a distilled draft at {path}; make it with '
                        f'`python -m benchmarks.speculative_bench --mode=drafts '
-                       f'--skip={skip}` (qjax.infer.draft.distill_layer_skip) or set '
+                       f'--skip={skip}` (qjax.pipeline.draft.distill_layer_skip) or set '
                        'distilled_dir.')
     draft = qdraft.load_distilled(target, path)
   elif skip:
