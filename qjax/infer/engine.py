@@ -37,7 +37,6 @@ device wait and compilation.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import time
@@ -80,7 +79,6 @@ def _buckets(max_batch: int, chunk: int) -> tuple[tuple[int, int, int], ...]:
 
 
 _TRACES = [0]  # how often `_step` was traced (= compiled), over every engine
-_GREEDY = SamplingParams(temperature=0.0)  # the parameters of an idle row
 
 
 def _greedy(logits_BV):
@@ -110,14 +108,14 @@ def _step(graphdef, state, tokens_BT, cache, last_B, params, position_B, seen_BV
   return tok_B, logprob_B, cache
 
 
-class Engine:
+class Engine(engine_block.BlockDecoding):
   """Continuous batching with a paged KV cache; see the module docstring."""
 
-  def __init__(self, model: nnx.Module, config: EngineConfig = EngineConfig(),
+  def __init__(self, model: nnx.Module, config: Optional[EngineConfig] = None,
                tokenizer=None, *, mesh=None, layout=None, shard_weights: bool = True):
     """Args:
       model: a (float or quantized) `Transformer`.
-      config: batching and cache settings.
+      config: batching and cache settings (default `EngineConfig()`).
       tokenizer: encodes text prompts and decodes for stop strings (optional).
       mesh: a device mesh (`qjax.sharding.make_mesh`) to run on, or None (one device).
       layout: with a mesh, the layout whose rules split the page pools
@@ -125,6 +123,7 @@ class Engine:
       shard_weights: split the weights too (else they are replicated).
     """
     cfg = model.config
+    config = EngineConfig() if config is None else config
     self.model, self.config, self.tokenizer = model, config, tokenizer
     self.max_len = cfg.max_len if config.max_len is None else config.max_len
     if self.max_len > cfg.max_len:
@@ -300,100 +299,6 @@ class Engine:
       batch = self._batches[key] = SamplingBatch.stack(params)
     return batch
 
-  def _block_steps(self, plan) -> int:
-    """Decode steps the next dispatch may run as a block (1: a single step): every running
-    sequence decodes, none needs the host per token, and the pages for K steps are there."""
-    k = self.config.decode_block
-    live = [s for s in plan.rows if s is not None]
-    if k == 1 or not live:
-      return 1
-    for seq, n in zip(plan.rows, plan.num_new):
-      if seq is None:
-        continue
-      prm = seq.params
-      if (n != 1 or seq.num_pending != 1 or not seq.output or prm.stop_strings
-          or prm.repetition_penalty != 1):
-        return 1
-    if not self.scheduler.reserve_all(k):
-      return 1
-    return k
-
-  def _run_block(self, plan, k: int) -> list[tuple[str, int]]:
-    """Up to `k` decode steps of every running row in one dispatch (`engine_block`)."""
-    t0 = time.perf_counter()
-    b, p = self.config.max_batch, self.config.page_size
-    rows = plan.rows
-    host = engine_block.row_arrays(rows, self.max_pages, self.cache.ring_table.shape[1])
-    live = [s for s in rows if s is not None]
-    page_host.check_step([s.id for s in live], [s.num_cached for s in live],
-                         [min(k, s.max_tokens - len(s.output)) for s in live],
-                         [len(s.pages) for s in live], p, self.max_len)
-    res = self._resident
-    sent0, kept0 = res.sent, res.kept
-    cache = dataclasses.replace(
-        self.cache, block_table=res.put('table', host['table']),
-        ring_table=res.put('ring', host['ring']), length=res.put('length', host['length']),
-        num_new=res.put('num_new', np.zeros(b, np.int32)), seq_of=None, slot_of=None,
-        att_width=0, att_wide=0)
-    dev_rows = engine_block.BlockRows(
-        tok_B=res.put('tok', host['tok']), position_B=res.put('position', host['position']),
-        max_B=res.put('max', host['max']), stop_BS=res.put('stop', host['stop']),
-        live_B=res.put('live', host['live']))
-    params = self._sampling([s.params if s is not None else _GREEDY for s in rows])
-    stop_early = np.bool_(bool(self.scheduler.waiting))
-    self.stats.arrays_sent += res.sent - sent0
-    self.stats.arrays_kept += res.kept - kept0
-    self.stats.host_s += time.perf_counter() - t0
-    self.cache, new_rows, tok_BK, lp_BK, num_B = self._dispatch(
-        engine_block.decode_block, self.graphdef, self.state, cache, dev_rows, params, k,
-        stop_early)
-    tok_BK, lp_BK, num_B = self._fetch((tok_BK, lp_BK, num_B))
-    t0 = time.perf_counter()
-    events = self._complete_block(rows, tok_BK, lp_BK, num_B)
-    # What the device now holds, as the host would build it for the same rows: the next
-    # block sends none of these unless the rows changed (tables and limits did not change).
-    after = engine_block.row_arrays([s if s is not None and s.row == r and not s.finished
-                                     else None for r, s in enumerate(rows)],
-                                    self.max_pages, self.cache.ring_table.shape[1])
-    after['num_new'] = np.zeros(b, np.int32)
-    for name, dev in (('table', self.cache.block_table), ('ring', self.cache.ring_table),
-                      ('length', self.cache.length), ('num_new', self.cache.num_new),
-                      ('tok', new_rows.tok_B), ('position', new_rows.position_B),
-                      ('live', new_rows.live_B)):
-      res.hold(name, host[name] if name in ('table', 'ring') else after[name], dev)
-    self.stats.host_s += time.perf_counter() - t0
-    return events
-
-  def _complete_block(self, rows, tok_BK, lp_BK, num_B) -> list[tuple[str, int]]:
-    """Book a block's tokens as its steps would have, in step order."""
-    st, p, events = self.stats, self.config.page_size, []
-    ring = self.cache.ring
-    n_ring, n_full = sum(ring), len(ring) - sum(ring)
-    span = self.cache.ring_table.shape[1] * p
-    for i in range(int(np.max(num_B, initial=0))):
-      st.steps += 1
-      for row, seq in enumerate(rows):
-        if seq is None or i >= num_B[row]:
-          continue
-        seq.num_cached += 1
-        held = seq.num_cached
-        st.decode_tokens += 1
-        st.used_slots += n_full * held + n_ring * min(held, span)
-        st.allocated_slots += (n_full * len(seq.pages) + n_ring * len(seq.ring_pages)) * p
-        st.contiguous_slots += len(ring) * self.max_len
-        tok = int(tok_BK[row, i])
-        if tok < 0:  # NON_FINITE: no token to give
-          self.scheduler.fail(seq)
-          continue
-        seq.output.append(tok)
-        events.append((seq.id, tok))
-        if seq.params.logprobs:
-          seq.logprobs.append(float(lp_BK[row, i]))
-        if self._finished(seq):
-          seq.finished = True
-          self.scheduler.release(seq)
-    return events
-
   def _feed_draft(self, tokens_N1, layout: dict) -> None:
     """Hook: the same step's tokens and cache layout (`paged.with_step`'s arguments) for a
     draft model's cache (`SpeculativeEngine`)."""
@@ -489,18 +394,8 @@ class Engine:
       out = _step(self.graphdef, self.state, jnp.asarray(zeros(n, 1)), self.cache,
                   jnp.asarray(zeros(b)), params, jnp.asarray(zeros(b)), None)
       self.cache = jax.block_until_ready(out)[2]
-    if self.config.decode_block > 1:  # the decode block, on rows none of which is live
-      host = engine_block.row_arrays([None] * b, self.max_pages,
-                                     self.cache.ring_table.shape[1])
-      rows = engine_block.BlockRows(*(jnp.asarray(host[k]) for k in
-                                      ('tok', 'position', 'max', 'stop', 'live')))
-      cache = dataclasses.replace(self.cache, block_table=jnp.asarray(host['table']),
-                                  ring_table=jnp.asarray(host['ring']),
-                                  length=jnp.asarray(host['length']), seq_of=None,
-                                  slot_of=None, att_width=0, att_wide=0)
-      out = engine_block.decode_block(self.graphdef, self.state, cache, rows, params,
-                                      self.config.decode_block, np.bool_(False))
-      self.cache = jax.block_until_ready(out)[0]
+    if self.config.decode_block > 1:
+      self._compile_block(params)
     self.stats.compilations = self._traces() - self._traces_before
     return self.stats.compilations
 

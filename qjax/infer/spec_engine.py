@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +89,7 @@ class SpeculativeEngine(Engine):
   """`Engine` whose decode steps are speculative rounds with `draft` (module docstring)."""
 
   def __init__(self, model: nnx.Module, draft: nnx.Module,
-               config: EngineConfig = EngineConfig(), tokenizer=None, *, gamma: int = 4):
+               config: Optional[EngineConfig] = None, tokenizer=None, *, gamma: int = 4):
     """Args:
       model: the target `Transformer` (its distribution is the output's).
       draft: a `Transformer` of the same vocabulary; its own KV format is used.
@@ -97,6 +98,7 @@ class SpeculativeEngine(Engine):
       gamma: draft tokens per round (>= 1).
     """
     check_compatible(model, draft, gamma)
+    config = EngineConfig() if config is None else config
     if config.preemption != 'recompute':
       raise ValueError(f"SpeculativeEngine: preemption={config.preemption!r}; only "
                        "'recompute' is supported (a swap would have to copy the draft's "

@@ -279,7 +279,7 @@ class DecodeLoop:
     self.cache, self.state, new_BK, extra_BK = _loop_block(
         self.static, self.weights, self.cache, before, self.pick, self.block)
     self.steps_left -= self.block
-    return before.count_B, self.state, new_BK, extra_BK
+    return before.count_B, self.state.count_B, self.state.live_B, new_BK, extra_BK
 
   def __iter__(self):
     pending = self._dispatch() if self.steps_left > 0 else None
@@ -287,9 +287,9 @@ class DecodeLoop:
       # The next block is queued before this one is read, so the device does not wait for
       # the host; a block queued after every row stopped early (a stop token) runs no step.
       nxt = self._dispatch() if self.steps_left > 0 else None
-      count0_B, state, new_BK, extra_BK = jax.device_get(pending)
-      yield new_BK, extra_BK, state.count_B - count0_B
-      if not state.live_B.any():
+      count0_B, count_B, live_B, new_BK, extra_BK = jax.device_get(pending)
+      yield new_BK, extra_BK, count_B - count0_B
+      if not live_B.any():
         return
       pending = nxt
 
