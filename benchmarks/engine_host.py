@@ -9,7 +9,8 @@ compiles). Both engines (EngineConfig.decode_block = 1 and `--block`) run in tur
 each; the second run of each is printed: tokens/s, steps, dispatches, and per decode step
 the host planning, dispatch and device-wait milliseconds (`EngineStats.timing`) with the
 host share (host + dispatch over host + dispatch + wait). Compare ratios within one run
-only: a shared machine's absolute times vary run to run.
+only: a shared machine's absolute times vary run to run. Results: docs/engine.md.
+Expected run time: ~2-3 minutes on 2 CPU cores.
 """
 
 import argparse

@@ -71,7 +71,8 @@ def test_a_prefill_budget_keeps_every_step_in_the_one_chunk_bucket_and_outputs_e
     engine = Engine(model, EngineConfig(max_batch=3, page_size=4, num_pages=31, chunk_size=8,
                                         prefill_budget=budget))
     schedule, plans = engine.scheduler.schedule, []
-    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    engine.scheduler.schedule = (lambda schedule=schedule, plans=plans:
+                                 plans.append(schedule()) or plans[-1])
     assert engine.generate(_prompts(), params) == [
         _alone(model, p, n) for p, n in zip(_prompts(), MAX_TOKENS)]
     prompt_fed = [sum(n for seq, n in zip(pl.rows, pl.num_new) if seq is not None and n > 1)

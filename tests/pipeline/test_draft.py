@@ -1,6 +1,5 @@
 """Cheaper drafts: the truncated-vocabulary head (exact output) and the distilled layer skip."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
