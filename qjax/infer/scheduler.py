@@ -57,6 +57,8 @@ class Sequence:
     arrival: its place in arrival order (set by `Scheduler.add`): the priority.
     finish_reason: 'stop', 'length' or 'error' once finished, else None.
     error: why it ended with 'error' (non-finite logits), else None.
+    page_hashes: the prefix cache's chain hashes of its prompt's full pages computed so far
+      (each page is hashed once, not once per chunk).
   """
 
   id: str
@@ -75,6 +77,7 @@ class Sequence:
   arrival: int = -1
   finish_reason: Optional[str] = None
   error: Optional[str] = None
+  page_hashes: list = dataclasses.field(default_factory=list)  # prefix cache, full pages
 
   @property
   def tokens(self) -> list[int]:
@@ -359,7 +362,8 @@ class Scheduler:
       seq.num_cached += n
       if self.prefix_cache is not None and not seq.output:
         done = min(seq.num_cached, len(seq.prompt))
-        self.prefix_cache.insert(seq.prompt[:done], seq.pages)
+        seq.page_hashes = self.prefix_cache.insert(seq.prompt[:done], seq.pages,
+                                                   seq.page_hashes)
       if seq.num_pending == 0 and int(tokens[row]) < 0:  # NON_FINITE: no token to give
         self.fail(seq)
       elif seq.num_pending == 0:  # the whole sequence is cached: this row sampled a token
