@@ -228,16 +228,21 @@ class Scheduler:
 
   def reserve_all(self, steps: int) -> bool:
     """Pages for up to `steps` more decode positions of every running sequence (at most what
-    its max_tokens leave), taken without preempting; False if the pool cannot give them
-    all (those given stay with their sequences and are used by later steps)."""
+    its max_tokens leave), all or none: False, taking nothing, when the pool (after evicting
+    cached prefixes) cannot give them all; nothing is preempted for them."""
+    need = {id(seq): self.pages_for(seq.num_cached + min(steps, seq.max_tokens -
+                                                         len(seq.output))) - len(seq.pages)
+            for seq in self.running}
+    total = sum(max(n, 0) for n in need.values())
+    if total == 0:
+      return True
+    pages = self._take(total)
+    if pages is None:
+      return False
     for seq in self.running:
-      n = min(steps, seq.max_tokens - len(seq.output))
-      need = self.pages_for(seq.num_cached + n) - len(seq.pages)
-      if need > 0:
-        pages = self._take(need)
-        if pages is None:
-          return False
-        seq.pages += pages
+      n = max(need[id(seq)], 0)
+      seq.pages += pages[:n]
+      pages = pages[n:]
     return True
 
   def _admit(self, seq: Sequence, row: int) -> bool:

@@ -462,18 +462,20 @@ def greedy_step(model: nnx.Module, tokens_BT: jax.Array, cache: KVCache, *,
 
 def collect(loop: DecodeLoop, num: int) -> tuple[np.ndarray, np.ndarray]:
   """(new_BN, extra_BN): the first `num` tokens and extras `loop` generates per row, on the
-  host; a row that stopped early repeats its last token (and extra) to width N."""
-  toks, extras, width = [], [], 0
+  host; a row that stopped early repeats its last token (extra 0) to width N."""
+  b = loop.state.tok_B.shape[0]
+  toks, extras = [np.zeros((b, 0), np.int32)], [np.zeros((b, 0), np.float32)]
   for new_BK, extra_BK, num_B in loop:
     k = int(np.max(num_B, initial=0))  # finished rows repeat their last token up to k
     toks.append(new_BK[:, :k])
     extras.append(extra_BK[:, :k])
-    width += k
   new_BN = np.concatenate(toks, axis=1)[:, :num]
   extra_BN = np.concatenate(extras, axis=1)[:, :num]
-  if new_BN.shape[1] < num:  # every row stopped early
-    pad = ((0, 0), (0, num - new_BN.shape[1]))
-    new_BN, extra_BN = np.pad(new_BN, pad, mode='edge'), np.pad(extra_BN, pad, mode='edge')
+  short = num - new_BN.shape[1]
+  if short:  # every row stopped early (or none had a token to generate)
+    last_B1 = np.asarray(loop.state.tok_B)[:, None]
+    new_BN = np.concatenate([new_BN, np.repeat(last_B1, short, axis=1)], axis=1)
+    extra_BN = np.concatenate([extra_BN, np.zeros((b, short), np.float32)], axis=1)
   return new_BN, extra_BN
 
 

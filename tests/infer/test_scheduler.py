@@ -99,7 +99,7 @@ def test_swap_preemption_saves_the_cached_pages_and_resumes_without_recompute():
 
 def test_reserve_all_takes_pages_ahead_without_preempting():
   """Pages for K decode positions ahead (at most what max_tokens leaves); a pool that cannot
-  give them all refuses, preempting nobody."""
+  give them all refuses, taking none and preempting nobody."""
   s = _scheduler(num_pages=6)  # 5 usable pages of 4
   a, b = SequenceState('a', [1, 2, 3], 6), SequenceState('b', [4, 5, 6], 15)
   s.add(a)
