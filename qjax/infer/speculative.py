@@ -8,13 +8,14 @@
     stats.alpha, stats.alpha_tv, stats.tokens_per_pass, stats.expected_tokens_per_pass
 
 One round (a function of both models; `rounds_per_dispatch` of them run in one jitted
-`lax.while_loop`, so the host reads the done flags once per dispatch): the draft decodes gamma tokens with its own
-KV cache, drawing each from `processed_logits` of its logits; the target feeds the last
-emitted token and the gamma draft tokens (gamma + 1 positions) through its cache in one
-forward; `speculative_core.verify` accepts a prefix and draws the next token; both caches
-roll back to the accepted length by lowering each row's `length` (slots at or past a row's
-length are hidden by the causal mask and rewritten by the next round). Rows accept different
-numbers of tokens, so every row keeps its own length, output count and done flag.
+`lax.while_loop`, so the host reads the done flags once per dispatch): the draft decodes
+gamma tokens with its own KV cache, drawing each from `processed_logits` of its logits; the
+target feeds the last emitted token and the gamma draft tokens (gamma + 1 positions) through
+its cache in one forward; `speculative_core.verify` accepts a prefix and draws the next
+token; both caches roll back to the accepted length by lowering each row's `length` (slots
+at or past a row's length are hidden by the causal mask and rewritten by the next round).
+Rows accept different numbers of tokens, so every row keeps its own length, output count and
+done flag.
 
 Exactness: every emitted token follows the target's processed distribution (temperature,
 top-k, top-p, min-p; greedy when temperature is 0, where the output is token for token
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp

@@ -48,7 +48,6 @@ from qjax import eval as qeval
 from qjax.core import int_format
 from qjax.eval.report import pyplot, save_figure
 from qjax.pipeline import draft as qdraft
-from qjax.infer import speculative_core
 from qjax.infer.sampling import SamplingBatch, SamplingParams, processed_logits, sample_generate
 from qjax.infer.speculative import layer_skip_draft, speculative_generate
 from qjax.nn import QuantPolicy, QuantRule, quantize_model, with_kv_format
@@ -160,7 +159,7 @@ def step_seconds(model, prompts_BT, repeats: int = 5, num_tokens: int = 1) -> fl
   feed_BT = jnp.repeat(prompts_BT[:, -1:], num_tokens, axis=1)
   length_B = np.asarray(cache.length)  # host copy: the cache (its length too) is donated
   times = []
-  for i in range(repeats + 1):  # the first call compiles
+  for _ in range(repeats + 1):  # the first call compiles
     t0 = time.perf_counter()
     logits, cache = logits_step(model, feed_BT, cache)
     jax.block_until_ready(logits)
