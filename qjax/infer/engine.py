@@ -175,6 +175,7 @@ class Engine(engine_block.BlockDecoding):
                                     sharding.state_shardings(self.state, rules, mesh))
     self.state = DecodeWeights(self.state)(self.state)
     self._resident = engine_block.Resident()
+    self._inflight = None  # a decode block dispatched but not yet read (`engine_block`)
     self._batches: dict[tuple, SamplingBatch] = {}
     self.mesh = mesh
     self.stats = EngineStats()
@@ -255,6 +256,8 @@ class Engine(engine_block.BlockDecoding):
     """Run one batched step, or a block of decode steps while every running request decodes
     (`EngineConfig.decode_block`); returns (request id, token) of the tokens generated, in
     step order."""
+    if self._inflight is not None:  # a decode block queued behind the last one
+      return self._run_inflight()
     t0 = time.perf_counter()
     plan = self.scheduler.schedule()
     steps = self._block_steps(plan)

@@ -16,6 +16,12 @@ only when its value differs from the one the device holds; in steady decode only
 table that gained a page changes. A block needs pages for its K positions ahead
 (`Scheduler.reserve_all`); where the pool cannot give them without preempting, the engine
 runs one step instead.
+
+Readback overlaps the device: when no request waits and the pool gives the pages for two
+blocks ahead, the next block is dispatched on the device's outputs of the current one before
+the host reads the current one's tokens (the next `Engine.step` reads it). The device then
+runs block after block while the host books tokens; a request added meanwhile is admitted
+after the queued block.
 """
 
 from __future__ import annotations
@@ -207,24 +213,69 @@ class BlockDecoding:
     self.stats.arrays_sent += res.sent - sent0
     self.stats.arrays_kept += res.kept - kept0
     self.stats.host_s += time.perf_counter() - t0
-    self.cache, new_rows, tok_BK, lp_BK, num_B = self._dispatch(
-        decode_block, self.graphdef, self.state, cache, dev_rows, params, k, stop_early)
+    out = self._dispatch(decode_block, self.graphdef, self.state, cache, dev_rows, params, k,
+                         stop_early)
+    self.cache = out[0]
+    return self._finish_block(rows, host['table'], out, params, k, queue=not stop_early)
+
+  def _finish_block(self, rows, table, out, params, k: int, queue: bool):
+    """Read the dispatched block `out` of `rows` (run with block table `table`) and book its
+    tokens. First, with `queue` and no request waiting, when the pool gives the pages for
+    two blocks ahead, the next block of the same rows is dispatched from the device's own
+    outputs, so it runs while the host reads and books this one (`step` books it next)."""
+    t0 = time.perf_counter()
+    res, b = self._resident, self.config.max_batch
+    _, new_rows, tok_BK, lp_BK, num_B = out
+    res.hold('table', table, out[0].block_table)  # the table `out` ran with, now its output
+    sent0, kept0 = res.sent, res.kept
+    nxt = None
+    live = [s if s is not None and s.row == r and not s.finished else None
+            for r, s in enumerate(rows)]
+    running = [s for s in live if s is not None]
+    if (queue and running and not self.scheduler.waiting
+        and len(running) == len(self.scheduler.running)
+        and any(s.max_tokens - len(s.output) > k for s in running)  # not all done in `out`
+        and self.scheduler.reserve_all(2 * k)):
+      page_host.check_step([s.id for s in running], [s.num_cached for s in running],
+                           [min(2 * k, s.max_tokens - len(s.output)) for s in running],
+                           [len(s.pages) for s in running], self.config.page_size,
+                           self.max_len)
+      next_table = row_arrays(live, self.max_pages, self.cache.ring_table.shape[1])['table']
+      cache = dataclasses.replace(self.cache, block_table=res.put('table', next_table))
+      self.stats.host_s += time.perf_counter() - t0
+      self.stats.arrays_sent += res.sent - sent0
+      self.stats.arrays_kept += res.kept - kept0
+      nxt = self._dispatch(decode_block, self.graphdef, self.state, cache, new_rows, params,
+                           k, np.bool_(False))
+      self.cache = nxt[0]
+      t0 = time.perf_counter()
+    self.stats.host_s += time.perf_counter() - t0
     tok_BK, lp_BK, num_B = self._fetch((tok_BK, lp_BK, num_B))
     t0 = time.perf_counter()
     events = self._complete_block(rows, tok_BK, lp_BK, num_B)
-    # What the device now holds, as the host would build it for the same rows: the next
-    # block sends none of these unless the rows changed (tables and limits did not change).
-    after = row_arrays([s if s is not None and s.row == r and not s.finished else None
-                        for r, s in enumerate(rows)],
-                       self.max_pages, self.cache.ring_table.shape[1])
-    after['num_new'] = np.zeros(b, np.int32)
-    for name, dev in (('table', self.cache.block_table), ('ring', self.cache.ring_table),
-                      ('length', self.cache.length), ('num_new', self.cache.num_new),
-                      ('tok', new_rows.tok_B), ('position', new_rows.position_B),
-                      ('live', new_rows.live_B)):
-      res.hold(name, host[name] if name in ('table', 'ring') else after[name], dev)
+    if nxt is not None:
+      self._inflight = (rows, next_table, nxt, params, k)
+    else:
+      # What the device now holds, as the host would build it for the same rows: the next
+      # block sends none of these unless the rows changed (tables and limits did not).
+      after = row_arrays([s if s is not None and s.row == r and not s.finished else None
+                          for r, s in enumerate(rows)],
+                         self.max_pages, self.cache.ring_table.shape[1])
+      after['num_new'] = np.zeros(b, np.int32)
+      new_rows = out[1]
+      for name, dev in (('table', self.cache.block_table), ('ring', self.cache.ring_table),
+                        ('length', self.cache.length), ('num_new', self.cache.num_new),
+                        ('tok', new_rows.tok_B), ('position', new_rows.position_B),
+                        ('live', new_rows.live_B)):
+        res.hold(name, table if name == 'table' else after[name], dev)
     self.stats.host_s += time.perf_counter() - t0
     return events
+
+  def _run_inflight(self) -> list[tuple[str, int]]:
+    """Book the block `_finish_block` queued (and maybe queue the one after it)."""
+    rows, table, out, params, k = self._inflight
+    self._inflight = None
+    return self._finish_block(rows, table, out, params, k, queue=True)
 
   def _complete_block(self, rows, tok_BK, lp_BK, num_B) -> list[tuple[str, int]]:
     """Book a block's tokens as its steps would have, in step order."""
