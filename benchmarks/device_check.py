@@ -1,7 +1,8 @@
 """The device check: what qjax costs on the machine it runs on, written as JSON, markdown, PNG.
 
     python -m benchmarks.device_check [--smoke] [--out=results/device_check]
-        [--models=llama32_1b,gemma3_270m] [--formats=bf16,int4,w8a8,int8,fp8,fp8xfp8]
+        [--models=llama32_1b,gemma3_270m]
+        [--formats=bf16,int4,int4_pallas,int4_packed,w8a8,int8,fp8,fp8xfp8]
         [--batches=1,8,64] [--budget_s=330]
 
 For each model shape (synthetic weights: the cost, not the quality) and weight format it
@@ -27,8 +28,16 @@ keeps what it measured. `--smoke`: tiny shapes of both models, batches 1 and 2, 
 proves every row runs, on CPU, in about a minute (tests/benchmarks runs it).
 
 Model shapes: 'llama32_1b' is Llama 3.2 1B (1.24 B parameters, tied head, GQA 32/8, head_dim
-64); 'gemma3_270m' is Gemma 3 270M. int4 groups are 128 where every contraction allows it and
-64 for llama32_1b (its o_proj contracts one head of 64 at a time).
+64); 'gemma3_270m' is Gemma 3 270M. int4 groups are 128 (o_proj's groups run along its
+flattened N*H contraction, two heads of 64 per group on llama32_1b).
+
+The int4 rows compare the ways a 4-bit weight reaches the matmul (docs/quantized_matmul.md):
+'int4' in the backend's default layout (native jnp.int4 codes on GPU/TPU, path 'native'),
+'int4_pallas' (packed codes, the Pallas kernel at decode shapes) and 'int4_packed' (packed
+codes unpacked by XLA ops, path 'dequant': the form before native codes). Grouped native
+weights fuse into the GEMM on GPU only with
+XLA_FLAGS=--xla_gpu_experimental_enable_subchannel_dequantisation_fusion=true: run the check
+once with and once without it to see what the flag buys.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ import numpy as np
 from flax import nnx
 
 from qjax import costmodel, fp8_format, int_format
+from qjax.core import choose_path, layouts
 from qjax.eval import memory as qmemory
 from qjax.eval import report
 from qjax.eval.process import device_memory
@@ -62,11 +72,13 @@ from qjax.nn import QuantPolicy, QuantRule, Transformer, TransformerConfig, gene
 from qjax.nn import quantize_model
 from qjax.nn.attention import kv_format
 
-FORMATS = ('bf16', 'int4', 'w8a8', 'int8', 'fp8', 'fp8xfp8')
+FORMATS = ('bf16', 'int4', 'int4_pallas', 'int4_packed', 'w8a8', 'int8', 'fp8', 'fp8xfp8')
 DESCRIPTIONS = {
     'bf16': 'bfloat16 weights',
     'int8': 'int8 per-channel, weight-only',
-    'int4': 'int4 grouped (see group), weight-only',
+    'int4': 'int4 grouped (see group), weight-only, the backend default layout and path',
+    'int4_pallas': 'int4 grouped, weight-only, packed codes on the Pallas kernel at decode',
+    'int4_packed': "int4 grouped, weight-only, packed codes dequantized by XLA ops ('dequant')",
     'w8a8': 'int8 per-channel weights x dynamic int8 activations',
     'fp8': 'fp8 e4m3 per-channel, weight-only',
     'fp8xfp8': 'fp8 e4m3 per-channel weights x dynamic fp8 activations',
@@ -94,22 +106,28 @@ def model_config(name: str, smoke: bool) -> TransformerConfig:
 
 
 def int4_group(cfg: TransformerConfig) -> int:
-  """128 where every projection's contraction allows it, else the largest that divides them
-  all (o_proj contracts one head at a time: 64 for head_dim 64)."""
-  return math.gcd(128, cfg.head_dim, cfg.d_model, cfg.d_ff)
+  """128 where every projection's (flattened) contraction allows it, else the largest power of
+  two that divides them all (o_proj contracts N*H: groups of 128 span two heads of 64)."""
+  return math.gcd(128, cfg.num_heads * cfg.head_dim, cfg.d_model, cfg.d_ff)
+
+
+# The int4 variants: (QuantPolicy.path, quantize_model layout); None = the backend's default.
+INT4_VARIANTS = {'int4': ('auto', None), 'int4_pallas': ('pallas', 'packed'),
+                 'int4_packed': ('dequant', 'packed')}
 
 
 def policy(fmt: str, cfg: TransformerConfig) -> Optional[QuantPolicy]:
   """Every weight (the tied embedding / head included) in `fmt`; None for bf16."""
   if fmt == 'bf16':
     return None
-  weights = {'int8': int_format(8), 'w8a8': int_format(8),
-             'int4': int_format(4, group_size=int4_group(cfg)),
-             'fp8': fp8_format('e4m3'), 'fp8xfp8': fp8_format('e4m3')}
+  int4 = int_format(4, group_size=int4_group(cfg))
+  weights = {'int8': int_format(8), 'w8a8': int_format(8), 'fp8': fp8_format('e4m3'),
+             'fp8xfp8': fp8_format('e4m3'), **{v: int4 for v in INT4_VARIANTS}}
   if fmt not in weights:
     raise ValueError(f'device_check: format {fmt!r} is unknown; use one of {FORMATS}.')
   act = {'w8a8': int_format(8), 'fp8xfp8': fp8_format('e4m3')}.get(fmt)
-  return QuantPolicy((QuantRule('.*', weights[fmt], act=act),))
+  path = INT4_VARIANTS.get(fmt, ('auto', None))[0]
+  return QuantPolicy((QuantRule('.*', weights[fmt], act=act),), path=path)
 
 
 def chip_for(device) -> Optional[costmodel.Chip]:
@@ -159,7 +177,10 @@ def _sync(x):
 
 
 def _state_bytes(model) -> int:
-  return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, 'nbytes'))
+  """Bytes the device holds (`Array.nbytes` counts one byte per jnp.int4 element even where
+  XLA packs two in a byte)."""
+  return sum(x.on_device_size_in_bytes() if hasattr(x, 'on_device_size_in_bytes') else x.nbytes
+             for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, 'nbytes'))
 
 
 def kv_bytes_per_token(cfg: TransformerConfig, model) -> int:
@@ -192,12 +213,16 @@ def run_qjax(model_name: str, fmt: str, p: Protocol, smoke: bool, threads: int) 
   t0 = time.perf_counter()
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   pol = policy(fmt, cfg)
+  layout = INT4_VARIANTS.get(fmt, ('auto', None))[1] or layouts.default_layout()
   if pol is not None:
-    model = quantize_model(model, pol)[0]
+    model = quantize_model(model, pol, layout=layout)[0]
   _sync(nnx.state(model))
   gc.collect()
   row = {'model': model_name, 'format': fmt, 'description': DESCRIPTIONS[fmt],
-         'group': int4_group(cfg) if fmt == 'int4' else None,
+         'group': int4_group(cfg) if fmt in INT4_VARIANTS else None,
+         'layout': None if pol is None else layout,
+         'path': None if pol is None else (pol.path if pol.path != 'auto' else choose_path(
+             pol.rules[0].weight, pol.rules[0].act, layout=layout)),
          'build_s': time.perf_counter() - t0, 'weight_bytes': _state_bytes(model),
          'kv_bytes_per_token': kv_bytes_per_token(cfg, model)}
   mem1 = device_memory(dev)

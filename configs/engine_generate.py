@@ -10,6 +10,9 @@ Command:
       --prompt='To be, or not to be, that is the'
   (without --prompt: reads prompts from stdin, one per line, until EOF; an empty line ends)
   --config.weights=float|int8|int4_g128  --config.kv_format=|int8|int4  --config.temperature=0
+  A checkpoint written by experiments.convert (its quantized weights and tokenizer; `model`
+  and `weights` are then ignored), with its chat template applied to each prompt:
+  python -m experiments.generate --config.checkpoint=OUT --config.chat=True --prompt='Hi'
 Expected run time: ~20 s to load Gemma, ~1 min to quantize and compile the step buckets,
   then ~5-30 tokens/s on 2 CPU cores.
 Expected result: with temperature 0 and float weights, "To be, or not to be, that is the"
@@ -23,6 +26,8 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.model = 'gemma3_270m'          # or 'tiny'
+  c.checkpoint = ''                # an experiments.convert output: serve it instead of `model`
+  c.chat = False                   # wrap each prompt in the checkpoint's chat template
   c.weights = 'int4_g128'          # 'float', 'int8', 'int4_g128'
   c.kv_format = 'int8'             # '' for a float cache, or a KV format name
   c.temperature = 0.7

@@ -1,7 +1,9 @@
-r"""Type a prompt, watch the engine stream the continuation (Gemma 3 270M or a tiny model).
+r"""Type a prompt, watch the engine stream the continuation (Gemma 3 270M, a tiny model, or a
+checkpoint written by `experiments.convert`).
 
   XLA_FLAGS= .venv/bin/python -m experiments.generate --config=configs/engine_generate.py \
       --prompt='To be, or not to be, that is the'
+  python -m experiments.generate --config.checkpoint=OUT --prompt='Hello' [--config.chat=True]
 
 Without --prompt, prompts are read from stdin, one per line. See the config's docstring.
 """
@@ -16,7 +18,8 @@ from ml_collections import config_flags
 
 from qjax import infer
 from qjax.core import int_format
-from qjax.nn import QuantPolicy, QuantRule, Transformer, TransformerConfig, quantize_model
+from qjax.nn import (QuantPolicy, QuantRule, Transformer, TransformerConfig, kv_format,
+                     quantize_model)
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/engine_generate.py',
                                           lock_config=True)
@@ -36,6 +39,15 @@ class _Bytes:
 
 
 def _model(c):
+  if c.checkpoint:  # a convert output: quantized weights, its tokenizer and chat template
+    from qjax.pipeline.convert import load_converted  # pylint: disable=g-import-not-at-top
+    model, tok, record = load_converted(c.checkpoint)
+    print(f"loaded {c.checkpoint}: {record['method']}, {record['base_checkpoint']['source']}",
+          file=sys.stderr)
+    return model, tok
+  if c.chat:
+    raise ValueError('--config.chat=True applies the chat template of a converted checkpoint; '
+                     'pass --config.checkpoint=OUT (python -m experiments.convert writes one).')
   if c.model == 'tiny':
     cfg = TransformerConfig.tiny(max_len=c.engine.max_len)
     return Transformer(cfg, rngs=nnx.Rngs(c.seed)), _Bytes()
@@ -49,27 +61,32 @@ def main(argv):
   del argv
   c = _CONFIG.value
   model, tok = _model(c)
-  if c.weights != 'float':
+  if c.weights != 'float' and not c.checkpoint:  # a checkpoint is quantized already
     if c.weights not in WEIGHTS:
       raise ValueError(f'weights={c.weights!r}; use float or one of {sorted(WEIGHTS)}.')
     policy = QuantPolicy((QuantRule('embed', exempt=True), QuantRule('.*', WEIGHTS[c.weights])))
     model, _ = quantize_model(model, policy)
-  engine = infer.Engine(model, infer.EngineConfig(kv_format=c.kv_format or None, **c.engine),
+  engine_cfg = dict(c.engine, max_len=min(c.engine.max_len, model.config.max_len))
+  # A checkpoint converted with a KV format (--config.quant.kv) serves in that format.
+  kv = None if c.checkpoint and kv_format(model) is not None else c.kv_format or None
+  engine = infer.Engine(model, infer.EngineConfig(kv_format=kv, **engine_cfg),
                         tokenizer=tok)
+  stop = tuple(getattr(tok, 'stop_ids', ()))
   prompts = _PROMPT.value or (line.rstrip('\n') for line in sys.stdin)
   for i, prompt in enumerate(prompts):
     if not prompt:
       break
     params = infer.SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
                                   repetition_penalty=c.repetition_penalty,
-                                  max_tokens=c.max_tokens, seed=c.seed + i)
+                                  max_tokens=c.max_tokens, seed=c.seed + i, stop_tokens=stop)
     t0 = time.perf_counter()
-    print(prompt, end='', flush=True)
-    for piece in engine.stream_text(prompt, params):
+    print(prompt, end='\n' if c.chat else '', flush=True)
+    for piece in engine.stream_text(tok.chat(prompt) if c.chat else prompt, params):
       print(piece, end='', flush=True)
     seconds = time.perf_counter() - t0
     print(f'\n[{c.max_tokens} tokens max, {seconds:.1f} s incl. compilation on the first '
-          f'prompt; weights {c.weights}, KV {engine.cache.format}]', file=sys.stderr)
+          f'prompt; weights {c.checkpoint or c.weights}, KV {engine.cache.format}]',
+          file=sys.stderr)
 
 
 if __name__ == '__main__':

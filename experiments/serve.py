@@ -2,6 +2,11 @@ r"""Serve requests with `qjax.infer.Engine` and print a table.
 
   python -m experiments.serve --config=configs/serve_gemma3.py [--config.small=True]
   python -m experiments.serve --config=configs/engine_tiny.py
+  python -m experiments.serve --config.checkpoint=OUT [--config.chat=True]
+
+With a `checkpoint` (an `experiments.convert` output): the config's `prompts` (texts, wrapped
+in the checkpoint's chat template with `chat`) served together by the engine, greedy, each
+completion printed, then the run's throughput row.
 
 With a `trace` in the config (serve_gemma3): a Poisson request trace replayed side by side
 (continuous vs static batching, prefix caching, int8 / int4 KV caches in the same bytes, HF
@@ -55,6 +60,30 @@ def _workload_table(c):
   print('\n| ' + ' | '.join(keys) + ' |\n|' + '---|' * len(keys))
   for r in rows:
     print('| ' + ' | '.join(str(r[k]) for k in keys) + ' |')
+
+
+def _checkpoint_serve(c):
+  """Serve `c.prompts` with a converted checkpoint; print completions and the run's row."""
+  from qjax.pipeline.convert import load_converted  # pylint: disable=g-import-not-at-top
+  model, tok, record = load_converted(c.checkpoint)
+  print(f"loaded {c.checkpoint}: {record['method']}, {record['base_checkpoint']['source']}",
+        flush=True)
+  prompts = [tok.chat(p) if c.chat else tok.encode(p) for p in c.prompts]
+  params = infer.SamplingParams(temperature=0.0, max_tokens=c.max_tokens,
+                                stop_tokens=tuple(tok.stop_ids))
+  ecfg = infer.EngineConfig(**dict(c.engine, max_len=min(c.max_len, model.config.max_len)))
+  engine = infer.Engine(model, ecfg, tokenizer=tok)
+  t0 = time.perf_counter()
+  outputs = engine.generate(prompts, params)
+  seconds = time.perf_counter() - t0
+  for text, out in zip(c.prompts, outputs):
+    print(f'{text!r} -> {tok.decode(out)!r}', flush=True)
+  generated = sum(len(o) for o in outputs)
+  row = dict(requests=len(outputs), generated=generated, seconds=round(seconds, 3),
+             tokens_per_s=round(generated / seconds, 1), steps=engine.stats.steps,
+             compilations=engine.stats.compilations, note='incl. compilation')
+  print(json.dumps(row))
+  return row
 
 
 def _gemma_trace(c):
@@ -198,7 +227,12 @@ def _trace_comparison(c):
 def main(argv):
   del argv
   c = _CONFIG.value
-  if 'trace' in c:
+  if c.get('checkpoint'):
+    _checkpoint_serve(c)
+  elif c.get('chat'):
+    raise ValueError('--config.chat=True applies the chat template of a converted checkpoint; '
+                     'pass --config.checkpoint=OUT (python -m experiments.convert writes one).')
+  elif 'trace' in c:
     _trace_comparison(c)
   else:
     _workload_table(c)

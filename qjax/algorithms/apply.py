@@ -33,7 +33,9 @@ from qjax.algorithms.calibrate import (EinsumView, calibration_batches, collect_
                                        token_facts)
 from qjax.algorithms.stages import (BLOCK_STAGES, HEAD_STAGE, Stage, WalkState, migrate,
                                     module_at, plan_fold, stage_keys)
-from qjax.nn import QuantPolicy, QuantReport, Transformer, einsum_layers, quantize_model
+from qjax.core import layouts
+from qjax.nn import (QuantPolicy, QuantReport, Transformer, einsum_layers, quantize_model,
+                     relayout_model)
 
 METHODS = ('rtn', 'gptq', 'awq', 'smoothquant', 'llm_int8')
 COMMON_OPTIONS = {'sequential': True, 'batch_size': 8, 'source': None, 'seed': None}
@@ -125,7 +127,7 @@ def _smoothquant_stage(ctx, stage, prefix, todo, st):
 def _llm_int8_convert(ctx: WalkState) -> None:
   """Make every matched stage Einsum run LLM.int8() (no calibration needed)."""
   keep = ctx.opts['outlier_weights'] == 'float'
-  for key, (stage, prefix) in stage_keys(ctx.model).items():
+  for stage, prefix in stage_keys(ctx.model).values():
     for p in (prefix + q for q in stage.layers if prefix + q in ctx.fmts):
       llm_int8.convert_layer(module_at(ctx.qmodel, p), ctx.opts['threshold'],
                              ctx.float_weight(p) if keep else None)
@@ -154,7 +156,7 @@ def _process(ctx: WalkState, method: str, stage: Stage, prefix: str, module, fwd
     msg = (f'{todo[0]}: {st.count} calibration tokens for {rows} input channels; H is rank-'
            'deficient (damping keeps it invertible) and the fit may not generalise: calibrate '
            'on more tokens than the widest layer input')
-    warnings.warn(msg)
+    warnings.warn(msg, stacklevel=2)
     ctx.notes.append(msg)
   _STAGE_FNS[method](ctx, stage, prefix, todo, st)
 
@@ -178,7 +180,7 @@ def _check_formats(method: str, qmodel, fmts: dict) -> None:
 
 
 def apply_method(model: Transformer, policy: QuantPolicy, method: str, calib_tokens,
-                 options: Optional[dict] = None):
+                 options: Optional[dict] = None, layout: Optional[str] = None):
   """Quantize `model` under `policy` with a PTQ method; the float model is left untouched.
 
   Args:
@@ -189,6 +191,9 @@ def apply_method(model: Transformer, policy: QuantPolicy, method: str, calib_tok
     calib_tokens: [n, T] int token ids (ignored by 'rtn').
     options: common keys `COMMON_OPTIONS` (sequential, batch_size, and the calibration set's
       source and seed, recorded as given) plus the method's (`METHOD_OPTIONS`).
+    layout: the QArray storage layout of the result ('packed', 'native', or None for the
+      backend's default, `qjax.core.layouts`). The methods search codes in the packed layout;
+      the result is converted once at the end.
 
   Returns:
     (qmodel, QuantReport, calibration_record) - the record is the conversion record's
@@ -198,10 +203,12 @@ def apply_method(model: Transformer, policy: QuantPolicy, method: str, calib_tok
   """
   t0 = time.perf_counter()
   opts = resolve_options(method, options)
-  qmodel, report = quantize_model(model, policy)
+  layout = layouts.check_layout(layout, 'apply_method')
+  qmodel, report = quantize_model(model, policy, layout='packed')
   if method == 'rtn':
-    return qmodel, report, {'method': 'rtn', 'data': None, 'procedure': _procedure('rtn', opts),
-                            'seconds': time.perf_counter() - t0}
+    return relayout_model(qmodel, layout), report, {
+        'method': 'rtn', 'data': None, 'procedure': _procedure('rtn', opts),
+        'seconds': time.perf_counter() - t0}
   if not isinstance(model, Transformer):
     raise ValueError(f'apply_method: expected a qjax.nn.Transformer, got {type(model).__name__}; '
                      'the walk (block inputs, stages, fold targets) is written for it.')
@@ -225,7 +232,7 @@ def apply_method(model: Transformer, policy: QuantPolicy, method: str, calib_tok
     ctx.notes.append('embed (tied LM head) kept RTN: its table is also the input lookup, so it '
                  'can be neither rescaled nor fitted to the head\'s inputs alone')
   record = _record(method, opts, calib_tokens, ctx, time.perf_counter() - t0)
-  return qmodel, _report(report, method, ctx), record
+  return relayout_model(qmodel, layout), _report(report, method, ctx), record
 
 
 def _procedure(method: str, o: dict) -> str:

@@ -77,7 +77,11 @@ class EinsumView:
     shape: the weight's shape.
     contracted: contracted weight axes, in weight order (groups run along the last).
     outputs: the other weight axes.
-    group: rows per group along the last contracted axis (its length when ungrouped).
+    group: rows per group along the last contracted axis (its length when ungrouped, or when
+      groups span it).
+    span: indices of the last contracted axis per group: 1, or for groups longer than that
+      axis (o_proj's N*H grouped by 128 with H = 64: 2) the group over the flattened
+      contraction, whose rows are already contiguous in natural order.
   """
 
   spec: str
@@ -85,13 +89,16 @@ class EinsumView:
   contracted: tuple[int, ...]
   outputs: tuple[int, ...]
   group: int
+  span: int = 1
 
   @classmethod
   def of(cls, layer: Einsum, fmt: Optional[QFormat] = None) -> 'EinsumView':
     shape = tuple(layer.weight_shape)
     c = tuple(layer.contracted_axes)
     g = fmt.group_size if fmt is not None and fmt.group_size else shape[c[-1]]
-    return cls(layer.spec, shape, c, tuple(a for a in range(len(shape)) if a not in c), g)
+    span = g // shape[c[-1]] if g > shape[c[-1]] else 1
+    return cls(layer.spec, shape, c, tuple(a for a in range(len(shape)) if a not in c),
+               g // span, span)
 
   @property
   def rows(self) -> int:
@@ -167,7 +174,8 @@ class EinsumView:
       if normalize_axis(fmt.group_axis, n, 'group_axis') != self.contracted[-1]:
         raise ValueError(f'{self.spec}: groups of {fmt.name} must run along the last '
                          f'contracted axis {self.contracted[-1]} (the policy puts them there).')
-      gs = self.rows // (self.shape[self.contracted[-1]] // self.group)
+      gs = (self.group * self.span if self.span > 1 else
+            self.rows // (self.shape[self.contracted[-1]] // self.group))
     return fmt.replace(channel_axes=(1,) if ch else (), group_axis=0, group_size=gs)
 
   def to_qarray(self, q2: QArray, fmt: QFormat) -> QArray:

@@ -1,7 +1,12 @@
-"""Checkpoints: Orbax save/restore of (quantized) models and conversion records."""
+"""Checkpoints: HF / GGUF import, Orbax save/restore of (quantized) models, conversion records.
+
+    model, info = load_hf('hf_dir')                  # Llama 3.x, Mistral, Qwen 2/3, Gemma 2/3
+    tokenizer = HFTokenizer.from_dir('hf_dir')      # tokenizer.json + its chat template
+"""
 
 from qjax.checkpoints.records import (FIELD_TYPES, RECORD_NAME, REQUIRED_FIELDS,
-                                      check_tree_hashes, content_sha256, conversion_record, digest, file_sha256,
+                                      check_tree_hashes, content_sha256, conversion_record, digest,
+                                      file_sha256,
                                       hardware_info, read_record, record_sha256, runtime_info,
                                       tree_sha256, validate_record, write_record)
 from qjax.checkpoints.orbax_io import restore_state, save_state
@@ -12,7 +17,8 @@ from qjax.checkpoints.quantized import (check_fingerprint, fingerprint_tokens, l
 from qjax.checkpoints.gemma3 import gemma3_270m_path, load_gemma3_270m
 from qjax.checkpoints.gguf import GEMMA3_FACTS, gguf_config, load_gguf, open_gguf
 from qjax.checkpoints.params import model_from_params, model_params, param_shapes
-from qjax.checkpoints.safetensors_io import hf_config, load_safetensors
+from qjax.checkpoints.hf_tokenizer import HFTokenizer
+from qjax.checkpoints.safetensors_io import hf_config, load_hf, load_safetensors
 from qjax.checkpoints.tokenizer import build_tokenizer, check_vocab, gguf_tokenizer
 
 __all__ = [
@@ -22,7 +28,8 @@ __all__ = [
     'logits_fingerprint', 'record_sha256', 'validate_record',
     'digest', 'file_sha256', 'gemma3_270m_path', 'gguf_config', 'gguf_tokenizer',
     'hardware_info', 'hf_config', 'load_gemma3_270m', 'load_gguf', 'load_quantized',
-    'load_safetensors', 'model_from_params', 'model_params', 'open_gguf', 'param_shapes',
+    'HFTokenizer', 'load_hf', 'load_safetensors', 'model_from_params', 'model_params',
+    'open_gguf', 'param_shapes',
     'policy_from_dict', 'policy_to_dict', 'read_record', 'restore_state', 'runtime_info',
     'save_quantized', 'save_state', 'skeleton', 'structure_fields', 'tree_sha256',
     'conversion_record', 'write_record',

@@ -28,7 +28,7 @@ from qjax.core.numerics import check_scales
 from qjax.nn import (EinsumQuant, QuantPolicy, QuantRule, Transformer, TransformerConfig,
                      einsum_layers, kv_format, quantize_model, set_kv_format)
 from qjax.nn.layers import QWeight
-from qjax.nn.policy import resolve_format
+from qjax.nn.policy import relayout_model, resolve_format
 from qjax.nn.report import LayerReport, QuantReport
 
 
@@ -158,6 +158,11 @@ def save_quantized(out_dir: str, qmodel: nnx.Module, policy: QuantPolicy, record
                      f"{record.get('kv_cache_format')!r}, but the model stores K/V as "
                      f'{_fmt(kv).name} (qjax.nn.kv_format); start the field with that name.')
   _check_out_dir(out_dir)
+  # Checkpoints hold the packed layout whatever the model runs in (native codes on GPU/TPU,
+  # qjax.core.layouts), so one saved anywhere loads anywhere.
+  if any(l.quantized and l.w.get_value().qtype.layout != 'packed'
+         for _, l in einsum_layers(qmodel)):
+    qmodel = relayout_model(nnx.clone(qmodel), 'packed')
   save_state(out_dir, qmodel)
   structure['content_sha256'] = content_sha256(nnx.state(qmodel))
   structure['logits_fingerprint'] = logits_fingerprint(qmodel)
@@ -220,7 +225,7 @@ def skeleton(record: dict) -> nnx.Module:
   except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"load_quantized: the record's field 'policy' is invalid "
                      f'({type(e).__name__}: {e}); re-run the conversion.') from None
-  qmodel = quantize_model(Transformer(cfg, rngs=nnx.Rngs(0)), policy)[0]
+  qmodel = quantize_model(Transformer(cfg, rngs=nnx.Rngs(0)), policy, layout='packed')[0]
   layers = dict(einsum_layers(qmodel))
   if 'einsum_quant' in record:
     described = dict(record['einsum_quant'])
@@ -250,7 +255,7 @@ def load_quantized(out_dir: str, verify: bool = True):
       the logits fingerprint (False skips all four: for forensics only).
 
   Returns:
-    (the quantized model, its record).
+    (the quantized model in the backend's QArray layout, `qjax.core.layouts`; its record).
 
   Raises:
     ValueError: any check fails (the message names the file, field or artifact).
@@ -275,7 +280,7 @@ def load_quantized(out_dir: str, verify: bool = True):
                        f"from the record's {record['content_sha256'][:16]}...; re-run the "
                        'conversion.')
     check_fingerprint(qmodel, record['logits_fingerprint'], where)
-  return qmodel, record
+  return relayout_model(qmodel), record  # the backend's layout (qjax.core.layouts)
 
 
 # Weights above this many elements are quantized in blocks of rows (the Gemma embedding:
@@ -404,9 +409,9 @@ def quantize_streamed(cfg: TransformerConfig, params, policy: QuantPolicy, *,
            f'{[r.pattern for r in unused]} (patterns use re.fullmatch).')
     if policy.strict:
       raise ValueError(msg + ' Fix the patterns or pass strict=False.')
-    warnings.warn(msg)
+    warnings.warn(msg, stacklevel=2)
   _release_freed_heap()
-  return model, QuantReport(tuple(reports), unused, 'quantize')
+  return relayout_model(model), QuantReport(tuple(reports), unused, 'quantize')
 
 
 def _release_freed_heap() -> None:

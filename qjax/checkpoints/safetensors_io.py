@@ -1,30 +1,35 @@
-"""Llama-family models from HF checkpoints: `config.json` + `*.safetensors` (no pickle).
+"""HF checkpoints from `config.json` + `*.safetensors` (no pickle), every family `hf_config` maps.
 
-    model, info = load_safetensors('path/to/dir')      # Llama, Qwen2 or Mistral naming
+    model, info = load_hf('path/to/dir')     # Llama 3.x, Mistral, Qwen 2/2.5/3, Gemma 2/3
 
-`hf_config` maps config.json onto `TransformerConfig` (RMSNorm, RoPE, GQA, SwiGLU, tied or
-untied head, Qwen2's q/k/v biases, Mistral's sliding window). Before any weight is read,
-every tensor's shape in the files is checked against the shape config.json implies. Name map
-(torch Linear weights are (out, in)):
+`hf_families.hf_config` maps config.json onto `TransformerConfig` and refuses what qjax cannot
+run before any weight is read; then every tensor's shape in the files is checked against the
+shape config.json implies. Sharded checkpoints (`model.safetensors.index.json`) are read
+through their index; bf16 / f16 / f32 tensors are converted via float32. Name map (torch
+Linear weights are (out, in)):
 
     model.embed_tokens.weight                  (V, D)   -> embed/w
     model.layers.i.input_layernorm.weight      (D,)     -> layers/i/pre_attn_norm/scale
     model.layers.i.post_attention_layernorm.w. (D,)     -> layers/i/pre_mlp_norm/scale
+                                       (Gemma: post_attn_norm; pre_feedforward_layernorm ->
+                                        pre_mlp_norm, post_feedforward_layernorm -> post_mlp_norm)
     model.layers.i.self_attn.q_proj.weight     (N*H, D) -> layers/i/attn/q_proj/w (D, N, H)
     model.layers.i.self_attn.{k,v}_proj.weight (K*H, D) -> .../{k,v}_proj/w        (D, K, H)
     model.layers.i.self_attn.{q,k,v}_proj.bias          -> .../{q,k,v}_bias (Qwen2)
+    model.layers.i.self_attn.{q,k}_norm.weight (H,)     -> .../{q,k}_norm/scale (Qwen3, Gemma 3)
     model.layers.i.self_attn.o_proj.weight     (D, N*H) -> .../o_proj/w            (N, H, D)
     model.layers.i.mlp.{gate,up}_proj.weight   (F, D)   -> layers/i/mlp/{gate,up}_proj/w (D, F)
     model.layers.i.mlp.down_proj.weight        (D, F)   -> layers/i/mlp/down_proj/w (F, D)
     model.norm.weight                          (D,)     -> final_norm/scale
     lm_head.weight (absent when tied)          (V, D)   -> lm_head/w (D, V)
 
+The multimodal Gemma 3 checkpoint prefixes its text tower (`language_model.model.`, or
+`model.language_model.`); those names are mapped as above and the vision tower is skipped.
 HF checkpoints store q/k in the split-halves RoPE order qjax uses, so no permutation is needed.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import time
@@ -32,74 +37,30 @@ from typing import Optional
 
 import numpy as np
 
+from qjax.checkpoints.hf_families import (SUPPORTED_MODEL_TYPES, hf_config, rope_max_len,
+                                        text_config)
 from qjax.checkpoints.params import model_from_params, param_shapes
 from qjax.nn import Transformer, TransformerConfig
 
-SUPPORTED_MODEL_TYPES = ('llama', 'qwen2', 'mistral')
+__all__ = ['SUPPORTED_MODEL_TYPES', 'hf_config', 'hf_shapes', 'load_hf', 'load_safetensors']
+
 _IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)  # buffers some old checkpoints saved
+# Text-tower prefixes of multimodal checkpoints -> the causal-LM names; skipped towers.
+_PREFIXES = (('language_model.model.', 'model.'), ('model.language_model.', 'model.'),
+             ('language_model.lm_head.', 'lm_head.'))
+_SKIPPED = ('vision_tower.', 'model.vision_tower.', 'multi_modal_projector.',
+            'model.multi_modal_projector.', 'vision_model.')
+INDEX_NAME = 'model.safetensors.index.json'
 
 
-def _rope_theta(c: dict) -> float:
-  rope = c.get('rope_parameters') or c.get('rope_scaling') or {}
-  kind = rope.get('rope_type', rope.get('type', 'default'))
-  if kind != 'default':
-    raise ValueError(f'config.json: rope_type {kind!r} is not supported (only plain RoPE); '
-                     'a scaled-RoPE model would load but give wrong logits.')
-  theta = rope.get('rope_theta', c.get('rope_theta', 10_000.0))
-  return float(theta)
-
-
-def _window(c: dict, num_layers: int) -> dict:
-  """sliding_window / global_every from Mistral's or Qwen2's keys."""
-  window = c.get('sliding_window')
-  if c['model_type'] == 'qwen2':
-    kinds = c.get('layer_types')
-    if kinds is None:
-      kinds = ['sliding_attention' if c.get('use_sliding_window') and
-               i >= c.get('max_window_layers', num_layers) else 'full_attention'
-               for i in range(num_layers)]
-    local = [k == 'sliding_attention' for k in kinds]
-    if not any(local):
-      return dict(sliding_window=None)
-    if all(local):
-      return dict(sliding_window=int(window))
-    raise ValueError(f'config.json: Qwen2 layer_types {kinds} mix sliding and full attention '
-                     'in a pattern qjax cannot express (every k-th layer global).')
-  return dict(sliding_window=int(window) if window else None)
-
-
-_REQUIRED_KEYS = ('hidden_size', 'num_attention_heads', 'num_hidden_layers', 'vocab_size',
-                  'intermediate_size')
-
-
-def hf_config(c: dict, param_dtype: str = 'float32') -> TransformerConfig:
-  """TransformerConfig from a HF Llama / Qwen2 / Mistral config.json dict."""
-  mt = c.get('model_type')
-  if mt not in SUPPORTED_MODEL_TYPES:
-    raise ValueError(f'config.json: model_type {mt!r} is not supported; qjax loads '
-                     f'{SUPPORTED_MODEL_TYPES} from safetensors (Gemma 3: load_gguf).')
-  if c.get('hidden_act', 'silu') != 'silu':
-    raise ValueError(f"config.json: hidden_act {c['hidden_act']!r}; Llama-family models "
-                     "use 'silu' (SwiGLU).")
-  for flag in ('attention_bias', 'mlp_bias'):
-    if c.get(flag):
-      raise ValueError(f'config.json: {flag}=true is not supported (qjax has biases only on '
-                       'q/k/v, as in Qwen2).')
-  missing = [k for k in _REQUIRED_KEYS if k not in c]
-  if missing:
-    raise ValueError(f'config.json: missing {missing} (model_type {mt!r} needs '
-                     f'{list(_REQUIRED_KEYS)}); the file is incomplete: take the config.json '
-                     "saved with the weights (save_pretrained's).")
-  d, n = int(c['hidden_size']), int(c['num_attention_heads'])
-  layers = int(c['num_hidden_layers'])
-  return TransformerConfig(
-      vocab_size=int(c['vocab_size']), d_model=d, num_layers=layers, num_heads=n,
-      num_kv_heads=int(c.get('num_key_value_heads') or n),
-      head_dim=int(c.get('head_dim') or d // n), d_ff=int(c['intermediate_size']),
-      max_len=int(c.get('max_position_embeddings', 2048)), mlp='swiglu',
-      tie_embeddings=bool(c.get('tie_word_embeddings', False)),
-      rope_base=_rope_theta(c), rms_eps=float(c.get('rms_norm_eps', 1e-6)),
-      qkv_bias=mt == 'qwen2', param_dtype=param_dtype, **_window(c, layers))
+def _canonical(name: str) -> Optional[str]:
+  """The causal-LM name of a tensor, or None for a tensor of another tower."""
+  if name.startswith(_SKIPPED):
+    return None
+  for prefix, repl in _PREFIXES:
+    if name.startswith(prefix):
+      return repl + name[len(prefix):]
+  return name
 
 
 def hf_shapes(cfg: TransformerConfig) -> dict[str, tuple[tuple[int, ...], str, str]]:
@@ -112,7 +73,16 @@ def hf_shapes(cfg: TransformerConfig) -> dict[str, tuple[tuple[int, ...], str, s
   for i in range(cfg.num_layers):
     hf, qj = f'model.layers.{i}.', f'layers/{i}/'
     out[hf + 'input_layernorm.weight'] = ((d,), qj + 'pre_attn_norm/scale', 'copy')
-    out[hf + 'post_attention_layernorm.weight'] = ((d,), qj + 'pre_mlp_norm/scale', 'copy')
+    if cfg.post_norms:  # Gemma 2/3: four norms per layer
+      out[hf + 'post_attention_layernorm.weight'] = ((d,), qj + 'post_attn_norm/scale', 'copy')
+      out[hf + 'pre_feedforward_layernorm.weight'] = ((d,), qj + 'pre_mlp_norm/scale', 'copy')
+      out[hf + 'post_feedforward_layernorm.weight'] = ((d,), qj + 'post_mlp_norm/scale',
+                                                       'copy')
+    else:
+      out[hf + 'post_attention_layernorm.weight'] = ((d,), qj + 'pre_mlp_norm/scale', 'copy')
+    if cfg.qk_norm:
+      out[hf + 'self_attn.q_norm.weight'] = ((h,), qj + 'attn/q_norm/scale', 'copy')
+      out[hf + 'self_attn.k_norm.weight'] = ((h,), qj + 'attn/k_norm/scale', 'copy')
     for name, rows in (('q', n * h), ('k', k * h), ('v', k * h)):
       out[hf + f'self_attn.{name}_proj.weight'] = ((rows, d), qj + f'attn/{name}_proj/w',
                                                    'linear')
@@ -125,45 +95,78 @@ def hf_shapes(cfg: TransformerConfig) -> dict[str, tuple[tuple[int, ...], str, s
   return out
 
 
-def load_safetensors(directory: os.PathLike, *, param_dtype: str = 'float32',
-                     max_len: Optional[int] = None) -> tuple[Transformer, dict]:
-  """Load a HF Llama / Qwen2 / Mistral checkpoint directory into a qjax `Transformer`.
+def read_config(directory: os.PathLike) -> dict:
+  """The parsed config.json of a HF checkpoint directory (a clear error when unreadable)."""
+  cfg_path = os.path.join(os.fspath(directory), 'config.json')
+  try:
+    with open(cfg_path, encoding='utf-8') as fh:
+      return json.load(fh)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f'{cfg_path}: not valid JSON ({e}); the config.json is truncated or '
+                     'corrupted: download it again.') from None
+
+
+def weight_files(directory: str) -> list[str]:
+  """The safetensors files of a checkpoint: its index's shards, else every *.safetensors."""
+  index = os.path.join(directory, INDEX_NAME)
+  if os.path.isfile(index):
+    try:
+      with open(index, encoding='utf-8') as fh:
+        shards = sorted(set(json.load(fh)['weight_map'].values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+      raise ValueError(f'{index}: not a safetensors index ({type(e).__name__}: {e}); it '
+                       "needs a 'weight_map' object: download it again.") from None
+    missing = [f for f in shards if not os.path.isfile(os.path.join(directory, f))]
+    if missing:
+      raise ValueError(f'{directory!r}: shards {missing[:4]} named by {INDEX_NAME} are '
+                       'missing; download every shard of the checkpoint.')
+    return [os.path.join(directory, f) for f in shards]
+  return sorted(os.path.join(directory, f) for f in os.listdir(directory)
+                if f.endswith('.safetensors'))
+
+
+def load_hf(directory: os.PathLike, *, param_dtype: str = 'float32',
+            max_len: Optional[int] = None) -> tuple[Transformer, dict]:
+  """Load a HF checkpoint directory (families: `hf_config`) into a qjax `Transformer`.
 
   Args:
-    directory: holds config.json and one or more *.safetensors files.
+    directory: holds config.json and the *.safetensors files (one, or the shards listed by
+      model.safetensors.index.json).
     param_dtype: dtype of the qjax parameters (weights are converted via float32).
-    max_len: override of config.json's max_position_embeddings.
+    max_len: override of config.json's max_position_embeddings (the longest sequence the
+      model accepts; a smaller one keeps KV caches small).
 
   Returns:
-    (model, info) with info 'config', 'hf_config' (the dict), 'files', 'source_dtypes',
-    'seconds'.
+    (model, info) with info 'config', 'hf_config' (the dict), 'model_type', 'files',
+    'source_dtypes', 'seconds'.
 
   Raises:
-    ValueError: missing files, an unsupported model type or option, a tensor missing,
-      unexpected, or with a shape config.json does not imply.
+    ValueError: missing files, an unsupported model type or option (before any weight is
+      read), a tensor missing, unexpected, or with a shape config.json does not imply.
   """
   from safetensors import safe_open  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
   directory = os.fspath(directory)
   cfg_path = os.path.join(directory, 'config.json')
-  files = sorted(glob.glob(os.path.join(directory, '*.safetensors')))
+  files = weight_files(directory) if os.path.isdir(directory) else []
   if not os.path.isfile(cfg_path) or not files:
     raise ValueError(f'{directory!r} must hold config.json and *.safetensors (a HF '
                      '`save_pretrained` directory); found '
                      f'{sorted(os.listdir(directory)) if os.path.isdir(directory) else "nothing"}.')
-  try:
-    with open(cfg_path, encoding='utf-8') as fh:
-      hf = json.load(fh)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f'{cfg_path}: not valid JSON ({e}); the config.json is truncated or '
-                     'corrupted: download it again.') from None
+  hf = read_config(directory)
   cfg = hf_config(hf, param_dtype)
   if max_len is not None:
+    limit = rope_max_len(hf)
+    if limit is not None and max_len > limit:
+      raise ValueError(f"max_len={max_len}: this checkpoint's rope_type 'dynamic' changes its "
+                       f'frequencies past max_position_embeddings={limit}, which qjax does not '
+                       f'model; pass max_len <= {limit}.')
     cfg = cfg.replace(max_len=max_len)
+  model_type = text_config(hf)['model_type']
   expected = hf_shapes(cfg)
-  handles, tied_head = {}, None
+  handles, names, tied_head = {}, {}, None
   for path in files:
-    if not os.path.exists(path):  # glob lists a dangling symlink (a deleted HF cache blob)
+    if not os.path.exists(path):  # a dangling symlink (a deleted HF cache blob)
       raise ValueError(f'{path}: a symlink to {os.readlink(path)!r}, which does not exist (a '
                        'dangling link: the file it pointed to was deleted); download it again.')
     try:
@@ -171,43 +174,49 @@ def load_safetensors(directory: os.PathLike, *, param_dtype: str = 'float32',
     except Exception as e:  # pylint: disable=broad-except  (SafetensorError is not exported)
       raise ValueError(f'{path}: not a readable safetensors file ({type(e).__name__}: {e}); '
                        'it is truncated or corrupted: download it again.') from None
-    for name in fh.keys():
-      if name.endswith(_IGNORED_SUFFIXES):
+    for stored in fh.keys():
+      name = _canonical(stored)
+      if name is None or name.endswith(_IGNORED_SUFFIXES):
         continue
       if cfg.tie_embeddings and name == 'lm_head.weight':
-        tied_head = fh  # a tied head saved anyway: checked against the embedding below
+        tied_head = (fh, stored)  # a tied head saved anyway: checked against the embedding
         continue
       if name not in expected:
-        raise ValueError(f'{os.path.basename(path)}: tensor {name!r} is not part of a '
-                         f'{hf["model_type"]} model as config.json describes it '
-                         f'(tie_word_embeddings={cfg.tie_embeddings}, qkv bias={cfg.qkv_bias}).')
-      got = tuple(fh.get_slice(name).get_shape())
+        raise ValueError(f'{os.path.basename(path)}: tensor {stored!r} is not part of a '
+                         f'{model_type} model as config.json describes it '
+                         f'(tie_word_embeddings={cfg.tie_embeddings}, qkv bias={cfg.qkv_bias}, '
+                         f'qk norm={cfg.qk_norm}).')
+      got = tuple(fh.get_slice(stored).get_shape())
       if got != expected[name][0]:
-        raise ValueError(f'{os.path.basename(path)}: tensor {name!r} has shape {got}, but '
+        raise ValueError(f'{os.path.basename(path)}: tensor {stored!r} has shape {got}, but '
                          f'config.json (hidden_size={cfg.d_model}, heads={cfg.num_heads}/'
                          f'{cfg.num_kv_heads}, head_dim={cfg.head_dim}, intermediate_size='
                          f'{cfg.d_ff}, vocab_size={cfg.vocab_size}) implies '
                          f'{expected[name][0]}; the weights and config.json do not match.')
-      handles[name] = fh
+      handles[name], names[name] = fh, stored
   missing = sorted(set(expected) - set(handles))
   if missing:
     raise ValueError(f'{directory!r}: tensors {missing[:6]} required by config.json are '
                      'missing from the safetensors files.')
   params, dtypes = {}, set()
   for name, (_, key, kind) in expected.items():
-    w = handles[name].get_tensor(name)
+    w = handles[name].get_tensor(names[name])
     dtypes.add(str(w.dtype))
     w = np.asarray(w.astype('float32'))
     if kind == 'linear':
       w = w.T
     params[key] = w
   if tied_head is not None and not np.array_equal(
-      np.asarray(tied_head.get_tensor('lm_head.weight').astype('float32')), params['embed/w']):
+      np.asarray(tied_head[0].get_tensor(tied_head[1]).astype('float32')), params['embed/w']):
     raise ValueError(f'{directory!r}: config.json says tie_word_embeddings=true but '
                      'lm_head.weight differs from model.embed_tokens.weight; fix the config.')
   shapes = param_shapes(cfg)  # split head axes: (in, out) -> e.g. (D, N, H)
   params = {k: np.ascontiguousarray(v).reshape(shapes[k]) for k, v in params.items()}
   model = model_from_params(cfg, params, source=directory)
-  return model, dict(config=cfg, hf_config=hf, files=[os.path.basename(f) for f in files],
+  return model, dict(config=cfg, hf_config=hf, model_type=model_type,
+                     files=[os.path.basename(f) for f in files],
                      source_dtypes=sorted(dtypes), seconds=time.perf_counter() - t0)
 
+
+# The name it had when it loaded Llama / Qwen2 / Mistral only.
+load_safetensors = load_hf

@@ -49,13 +49,33 @@ def scale_shape(shape: Sequence[int], fmt: QFormat) -> tuple[int, ...]:
   out = [d if i in channel else 1 for i, d in enumerate(shape)]
   if ga is not None:
     g, n = fmt.group_size, shape[ga]
-    if n % g:
-      divisors = [d for d in (8, 16, 32, 64, 128, 256, 512, 1024) if n % d == 0]
-      raise ValueError(f'QFormat: group_size={g} does not divide axis {ga} of length {n} '
-                       f'(shape {shape}); use a divisor of {n} such as {divisors[-3:]} '
-                       'or per-channel scales.')
-    out[ga] = n // g
+    if n % g == 0:
+      out[ga] = n // g
+    else:
+      _flat_groups(shape, g, ga, channel, out)
   return tuple(out)
+
+
+def _flat_groups(shape, g: int, ga: int, channel, out: list) -> None:
+  """Groups of `g` larger than axis `ga`: `g` consecutive elements of the axes up to `ga`
+  flattened in row-major order (o_proj's (N, H, D) weight grouped by 128 along N*H when
+  H = 64), i.e. whole tiles of `ga` and of the axes between, cutting one earlier axis."""
+  n = shape[ga]
+  rest, a = g // n if g % n == 0 else 0, ga - 1
+  while rest > 1 and a >= 0 and a not in channel:
+    if shape[a] % rest == 0:
+      out[a], rest = shape[a] // rest, 1
+    elif rest % shape[a] == 0:
+      rest //= shape[a]
+      a -= 1
+    else:
+      break
+  if rest != 1:
+    divisors = [d for d in (8, 16, 32, 64, 128, 256, 512, 1024) if n % d == 0]
+    raise ValueError(f'QFormat: group_size={g} does not divide axis {ga} of length {n} '
+                     f'(shape {shape}), nor is it a run of whole rows of the axes before it '
+                     f'(flattened groups must not cross a channel axis {tuple(channel)}); use '
+                     f'a divisor of {n} such as {divisors[-3:]} or per-channel scales.')
 
 
 def tile_shape(shape: Sequence[int], scale_shape_: Sequence[int]) -> tuple[int, ...]:

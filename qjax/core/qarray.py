@@ -32,23 +32,37 @@ from qjax.core.formats import FLOAT_KINDS, QFormat
 
 LAYOUT_VERSION = 2  # recorded with every saved QArray (conversion records: 'qarray_layout')
 _CODE_DTYPES = {'int8', 'uint8', 'float8_e4m3fn', 'float8_e5m2'}
+# How codes are stored (`QType.layout`; `qjax.core.layouts` chooses one per backend):
+# 'packed': 2/3/4-bit codes bit-packed into uint8 by `packing` (the checkpoint format, and
+#   what qjax's CPU paths read); 'native': one code per element of a dtype XLA itself knows
+#   (int4 for 2-4 bits, int8, fp8), which XLA:GPU/TPU store packed and convert inside the
+#   matmul's operand load. 5-8-bit and fp8 codes are stored alike in both.
+STORAGE_LAYOUTS = ('packed', 'native')
 
 
 @dataclasses.dataclass(frozen=True)
 class QType:
-  """What a QArray's codes are: 'int' of `bits` (2, 3, 4 packed; 5, 6, 8 one per byte) or fp8.
+  """What a QArray's codes are: 'int' of `bits` (2-8) or fp8, and how they are stored.
 
   Attributes:
     kind: 'int', 'e4m3' or 'e5m2'.
     bits: code width (8 for fp8).
+    layout: 'packed' (2/3/4-bit codes bit-packed into uint8) or 'native' (jnp.int4 for 2-4
+      bits); 5-8-bit and fp8 codes are stored the same in both (`STORAGE_LAYOUTS`).
   """
 
   kind: str = 'int'
   bits: int = 8
+  layout: str = 'packed'
+
+  def __post_init__(self):
+    if self.layout not in STORAGE_LAYOUTS:
+      raise ValueError(f'QType: layout={self.layout!r} is unknown; use one of '
+                       f'{STORAGE_LAYOUTS}.')
 
   @classmethod
-  def of(cls, fmt: QFormat) -> 'QType':
-    return cls(fmt.kind, fmt.bits)
+  def of(cls, fmt: QFormat, layout: str = 'packed') -> 'QType':
+    return cls(fmt.kind, fmt.bits, layout)
 
   @property
   def is_float(self) -> bool:
@@ -56,7 +70,13 @@ class QType:
 
   @property
   def packed(self) -> bool:
-    return not self.is_float and self.bits in packing.GROUPS
+    """Whether the codes are bit-packed by `qjax.core.packing` (uint8 data)."""
+    return self.layout == 'packed' and not self.is_float and self.bits in packing.GROUPS
+
+  @property
+  def native_int4(self) -> bool:
+    """Whether the codes are stored as jnp.int4 (native layout, 2-4 bits)."""
+    return self.layout == 'native' and not self.is_float and self.bits <= 4
 
   @property
   def code_dtype(self):
@@ -64,7 +84,12 @@ class QType:
 
   @property
   def storage_dtype(self):
+    if self.native_int4:
+      return jnp.int4
     return jnp.uint8 if self.packed else self.code_dtype
+
+  def with_layout(self, layout: str) -> 'QType':
+    return dataclasses.replace(self, layout=layout)
 
   @property
   def name(self) -> str:
@@ -142,12 +167,16 @@ class QArray:
   def layout_name(self) -> str:
     """The code type and scale tiling in words, e.g. 'int4 tiles(32,1)-asym'."""
     tiles = ','.join(str(t) for t in self.tile_shape)
-    return f'{self.qtype.name} tiles({tiles}){"" if self.zero_point is None else "-asym"}'
+    native = '-native' if self.qtype.native_int4 else ''
+    return (f'{self.qtype.name}{native} tiles({tiles})'
+            f'{"" if self.zero_point is None else "-asym"}')
 
   def codes(self) -> jax.Array:
     """Unpacked codes in the tensor's own shape (int8, or fp8)."""
     if self.qtype.packed:
       return packing.unpack(self.data, self.qtype.bits, self.last_dim)
+    if self.qtype.native_int4:
+      return self.data.astype(jnp.int8)
     return self.data
 
   def dequantize(self, dtype=None) -> jax.Array:
@@ -264,7 +293,7 @@ def from_codes(codes: jax.Array, scale: jax.Array, zero_point: Optional[jax.Arra
   """
   qtype = QType.of(qtype) if isinstance(qtype, QFormat) else qtype
   codes = codes.astype(qtype.code_dtype)
-  data = packing.pack(codes, qtype.bits) if qtype.packed else codes
+  data = packing.pack(codes, qtype.bits) if qtype.packed else codes.astype(qtype.storage_dtype)
   return QArray(data, scale, zero_point, qtype, codes.shape[-1], jnp.dtype(dtype).name)
 
 
@@ -334,9 +363,38 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
 
 
 def nbytes(q: QArray) -> int:
-  """Bytes the device holds for `q`: codes (as packed) + scales + zero points."""
+  """Bytes the device holds for `q`: codes (as packed) + scales + zero points.
+
+  Native int4 codes count what the default backend holds per code (`int4_bits`): 4 bits
+  where XLA packs them (GPU, TPU, XLA:CPU of jax >= 0.11), 8 where it keeps a byte each.
+  """
   # shape/dtype only (not .size): flax's repr swaps leaves for placeholder objects.
-  return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(q))
+  total = 0
+  for a in jax.tree.leaves(q):
+    n = math.prod(a.shape)
+    total += (-(-n * int4_bits() // 8) if jnp.dtype(a.dtype) == jnp.dtype(jnp.int4)
+              else n * jnp.dtype(a.dtype).itemsize)
+  return total
+
+
+_INT4_BITS: dict = {}  # backend -> bits one int4 element occupies there (probed once)
+
+
+def int4_bits(backend: Optional[str] = None) -> int:
+  """Bits the backend's buffers spend on one jnp.int4 element (4 packed, 8 unpacked).
+
+  Probed once per backend on a (512, 1024) buffer, large and aligned so that tiled memory
+  layouts (TPU) add no padding to the measurement (`on_device_size_in_bytes`), and cached in
+  `_INT4_BITS`: a fact of the runtime, constant for the process.
+  """
+  backend = backend or jax.default_backend()
+  if backend not in _INT4_BITS:
+    n = 512 * 1024
+    with jax.ensure_compile_time_eval():
+      buf = jax.device_put(np.zeros((512, 1024), jnp.int4), jax.devices(backend)[0])
+      _INT4_BITS[backend] = 4 if int(buf.on_device_size_in_bytes()) * 8 < 6 * n else 8
+      del buf
+  return _INT4_BITS[backend]
 
 
 def estimate_nbytes(shape: Sequence[int], fmt: QFormat) -> dict:

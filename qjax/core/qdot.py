@@ -34,12 +34,24 @@ Compute paths (`path=`):
 * `'fp8'`: activations quantized per token to the weight's fp8 kind, fp8 x fp8 products with
   f32 accumulation (tiled on CPU: fp8 values are exact in bf16).
 
+* `'native'` (GPU/TPU default for native-layout weights): the codes as stored (`jnp.int4` /
+  int8 / fp8, `qjax.core.layouts`) fed to `dot_general`, converted inside the matmul by XLA;
+  per-channel scales applied to the result, grouped ones as a fused dequantize
+  (`qjax.core.native_path`). Weight-only semantics.
+* `'pallas'` (opt-in): a Pallas kernel for 2-D-able symmetric int8 / packed int4 weights at
+  decode shapes (M <= 64 rows; the rest take the weight-only 'auto' path) with the dequantize
+  inside the kernel (`qjax.core.pallas_path`, `qjax.kernels.pallas_qmm`); interpret mode
+  on CPU. Not a default until
+  measured on a device (docs/quantized_matmul.md).
+
 * `'kernel'` (CPU, optional): the jax.ffi kernel of `qjax.kernels` (int8 / packed int4,
   symmetric; `qjax.core.decode_paths`): weight-only semantics, f32 accumulation, each 64-code
   slice widened in registers, no float weight anywhere. Raises where it cannot run.
 
 `path='auto'` picks: the activation format's path if one is given (`'int8'` / `'fp8'`);
-otherwise `'tiled'` on CPU for every weight format and `'dequant'` elsewhere. The choice is a
+otherwise `'tiled'` on CPU for every weight format and, elsewhere, `'native'` for weights
+whose codes XLA reads as they are (native layout, and 5-8-bit / fp8 codes in either layout)
+and `'dequant'` for hand-packed 2/3/4-bit codes. The choice is a
 function of (format, backend) only, so it is recorded in conversion records via
 `choose_path`. Within `'tiled'` on CPU, `auto` runs decode shapes (M <= 16 rows) on the
 kernel when `qjax.kernels.available()` (same weight-only numerics, summation order aside),
@@ -73,19 +85,24 @@ import jax.numpy as jnp
 
 from qjax import kernels
 from qjax.core import decode_paths
+from qjax.core import layouts
+from qjax.core import native_path
+from qjax.core import pallas_path
 from qjax.core import tiled_path as tiled
 from qjax.core.formats import QFormat
 from qjax.core.qarray import QArray, QType, dequantize
 from qjax.core.tiled_path import parse_spec  # re-exported: the project's one spec parser
 
-PATHS = ('auto', 'dequant', 'tiled', 'kernel', 'int8', 'fp8')
+PATHS = ('auto', 'dequant', 'tiled', 'kernel', 'int8', 'fp8', 'native', 'pallas')
 INT8_ACT = QFormat(bits=8)
+WEIGHT_ONLY_PATHS = ('native', 'pallas')  # paths that would ignore an activation format
 
 
 def choose_path(w_fmt: Union[QFormat, QType], act_fmt: Optional[QFormat] = None,
-                backend: Optional[str] = None) -> str:
+                backend: Optional[str] = None, layout: Optional[str] = None) -> str:
   """The compute path `path='auto'` takes for this weight format (or code type, `q.qtype`),
-  activation format and backend."""
+  activation format and backend; a QFormat is taken in `layout` (default: the backend's,
+  `layouts.default_layout`)."""
   backend = backend or jax.default_backend()
   if act_fmt is not None:
     if w_fmt.is_float != act_fmt.is_float:
@@ -94,7 +111,10 @@ def choose_path(w_fmt: Union[QFormat, QType], act_fmt: Optional[QFormat] = None,
     return 'fp8' if act_fmt.is_float else 'int8'
   if backend == 'cpu':
     return 'tiled'
-  return 'dequant'
+  if isinstance(w_fmt, QType):
+    layout = w_fmt.layout
+  qt = QType(w_fmt.kind, w_fmt.bits, layout or layouts.default_layout(backend))
+  return 'dequant' if qt.packed else 'native'
 
 
 def _fresh_letter(used: str) -> str:
@@ -113,7 +133,8 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
     act_fmt: activation format for W8A8 / fp8 x fp8 (only its kind matters: activations are
       always quantized dynamically, symmetric, per token and weight group), or None for
       weight-only.
-    path: 'auto', 'dequant', 'tiled', 'kernel', 'int8' or 'fp8' (see the module docstring).
+    path: 'auto', 'dequant', 'tiled', 'kernel', 'int8', 'fp8', 'native' or 'pallas' (see the
+      module docstring).
     out_dtype: result dtype (default: x's dtype).
 
   Returns:
@@ -152,6 +173,18 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
                        "weights in the (contracted..., kept...) or (V, D) head layout; use "
                        "path='auto'.")
     return y
+  if path in WEIGHT_ONLY_PATHS and act_fmt is not None:
+    raise ValueError(f'qeinsum: path={path!r} is weight-only, but act_fmt={act_fmt.name} asks '
+                     f"for quantized activations; use path='auto' (or "
+                     f"'{'fp8' if act_fmt.is_float else 'int8'}'), or drop act_fmt.")
+  if path == 'native':
+    return native_path.native_einsum(xs, ws, out, x, w, out_dtype)
+  if path == 'pallas':
+    if pallas_path.fits(xs, ws, out, x, w):
+      return pallas_path.pallas_einsum(xs, ws, out, x, w, out_dtype)
+    path = choose_path(qt)  # prefill rows, or a weight the kernel does not take
+    if path == 'native':
+      return native_path.native_einsum(xs, ws, out, x, w, out_dtype)
   if path == 'tiled':
     if auto and jax.default_backend() == 'cpu':
       y = decode_paths.kernel_einsum(xs, ws, out, x, w, out_dtype)  # decode shapes

@@ -17,7 +17,8 @@ __all__ = [
     "einsum_layers", "greedy_generate",
     "greedy_step",
     "init_cache", "logits_step", "online_attend", "kv_format", "model_report", "num_params",
-    "param_count", "quantize_model", "resolve_format", "set_kv_format", "weight_bytes",
+    "param_count", "quantize_model", "relayout_model", "resolve_format",
+    "set_kv_format", "weight_bytes",
     "with_kv_format",
 ]
 
@@ -30,7 +31,7 @@ from qjax.nn.kvcache import KVCache, init_cache
 from qjax.nn.einsum_quant import EinsumQuant
 from qjax.nn.layers import Einsum, Embed, QWeight, RMSNorm
 from qjax.nn.policy import (QuantPolicy, QuantRule, apply_fake_quant, quantize_model,
-                            resolve_format)
+                            relayout_model, resolve_format)
 from qjax.nn.report import (LayerReport, QuantReport, einsum_layers, model_report, param_count,
                             weight_bytes)
 from qjax.nn.rope import apply_rope

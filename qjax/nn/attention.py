@@ -192,7 +192,7 @@ class Attention(nnx.Module):
       self.q_bias = self.k_bias = self.v_bias = None
     self.layer = layer
     self.window = cfg.window(layer)
-    self.rope_base = cfg.rope_base_for(layer)
+    self.rope_base, self.rope_scaling = cfg.rope_for(layer)
     self.scale_q = cfg.scale_q
     self.logit_softcap = cfg.attn_logit_softcap
     self.impl = cfg.attention_impl
@@ -222,9 +222,9 @@ class Attention(nnx.Module):
       v_BTKH = v_BTKH + self.v_bias[...].astype(v_BTKH.dtype)
     if self.q_norm is not None:
       q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-    q_BTNH = apply_rope(q_BTNH, positions_BT, self.rope_base) * jnp.asarray(
+    q_BTNH = apply_rope(q_BTNH, positions_BT, self.rope_base, self.rope_scaling) * jnp.asarray(
         self.scale_q, q_BTNH.dtype)
-    k_BTKH = apply_rope(k_BTKH, positions_BT, self.rope_base)
+    k_BTKH = apply_rope(k_BTKH, positions_BT, self.rope_base, self.rope_scaling)
     out_BTNH, cache = shard_hooks.current().attention(self.core, q_BTNH, k_BTKH, v_BTKH,
                                                       positions_BT, cache)
     return self.o_proj(out_BTNH), cache

@@ -9,6 +9,10 @@ Layer kinds. A layer is *local* (sliding-window attention, RoPE base `local_rope
 * `sliding_window=W, global_every=None`: every layer is local (Mistral 7B v0.1).
 
 A local layer attends to keys at positions p with `q_pos - W < p <= q_pos`.
+
+RoPE (`rope_for`): a local layer with `local_rope_base` set rotates by plain RoPE at that
+base; every other layer by `rope_base` with `rope_scaling` (Gemma 3 scales only its global
+layers; Llama 3.x, whose layers are all global, scales every layer).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import dataclasses
 from typing import Optional
 
 import jax.numpy as jnp
+
+from qjax.nn.rope import RopeScaling
 
 MLP_KINDS = ('swiglu', 'geglu')
 ATTENTION_IMPLS = ('dense', 'blockwise')
@@ -42,6 +48,8 @@ class TransformerConfig:
     qk_norm: RMSNorm over H on queries and keys before RoPE (Gemma 3, Qwen3).
     rope_base: RoPE base of global layers.
     local_rope_base: RoPE base of local layers (None: `rope_base`).
+    rope_scaling: frequency rescaling of the layers that use `rope_base` (`RopeScaling`; a
+      dict of its fields is accepted, as a JSON round trip gives), or None.
     sliding_window: window of local layers (see the module docstring), or None.
     global_every: every k-th layer is global when a window is set (module docstring).
     post_norms: extra RMSNorm on the attention and MLP outputs before the residual add.
@@ -73,6 +81,7 @@ class TransformerConfig:
   qk_norm: bool = False
   rope_base: float = 10_000.0
   local_rope_base: Optional[float] = None
+  rope_scaling: Optional[RopeScaling] = None
   sliding_window: Optional[int] = None
   global_every: Optional[int] = None
   post_norms: bool = False
@@ -88,6 +97,11 @@ class TransformerConfig:
   attention_block: int = 512
 
   def __post_init__(self):
+    if isinstance(self.rope_scaling, dict):  # asdict / JSON gives the fields as a dict
+      object.__setattr__(self, 'rope_scaling', RopeScaling(**self.rope_scaling))
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f'TransformerConfig: rope_scaling={self.rope_scaling!r} must be a '
+                       'qjax.nn.rope.RopeScaling (or a dict of its fields) or None.')
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads',
                  'head_dim', 'd_ff', 'max_len'):
       v = getattr(self, name)
@@ -158,9 +172,13 @@ class TransformerConfig:
     return self.sliding_window if self.is_local(layer) else None
 
   def rope_base_for(self, layer: int) -> float:
+    return self.rope_for(layer)[0]
+
+  def rope_for(self, layer: int) -> tuple[float, Optional[RopeScaling]]:
+    """(RoPE base, frequency scaling or None) of `layer` (module docstring)."""
     if self.is_local(layer) and self.local_rope_base is not None:
-      return self.local_rope_base
-    return self.rope_base
+      return self.local_rope_base, None
+    return self.rope_base, self.rope_scaling
 
   def replace(self, **kw) -> 'TransformerConfig':
     return dataclasses.replace(self, **kw)

@@ -29,7 +29,8 @@ import jax
 from flax import nnx
 
 from qjax.core import QFormat, check_finite, choose_path, nbytes, quantize
-from qjax.core.numerics import check_scales
+from qjax.core import layouts
+from qjax.core.numerics import check_scales, scale_shape
 from qjax.core.qarray import RangeArg
 from qjax.core.qdot import PATHS
 from qjax.nn.layers import Einsum, QWeight, parse_spec
@@ -107,7 +108,8 @@ class QuantPolicy:
   Attributes:
     rules: the rules.
     strict: raise (instead of warn) when a rule matches no layer.
-    path: qeinsum compute path for every quantized layer ('auto', 'dequant', 'int8', 'fp8').
+    path: qeinsum compute path for every quantized layer ('auto', 'dequant', 'int8', 'fp8',
+      'native', 'pallas'; `qjax.core.qdot`).
   """
 
   rules: tuple[QuantRule, ...]
@@ -160,22 +162,44 @@ def resolve_format(rule: QuantRule, layer: Einsum, path: str, compute: str = 'au
   channel = () if rule.granularity == 'tensor' else tuple(
       i for i in range(len(shape)) if i not in contracted)
   g = rule.weight.group_size
-  if g is not None and shape[group_axis] % g:
-    letter = parse_spec(layer.spec)[1][group_axis]
-    raise ValueError(f'quantize: group_size={g} of rule {rule.pattern!r} does not divide '
-                     f'layer {path!r}: its contraction axis {letter} has {shape[group_axis]} '
-                     f'elements (weight shape {shape}). Use a group size dividing '
-                     f'{shape[group_axis]}, or a rule for this layer without groups.')
   fmt = rule.weight.replace(channel_axes=channel, group_axis=group_axis)
+  if g is not None and shape[group_axis] % g:
+    _check_flat_groups(fmt, layer, path, rule.pattern)
   try:
     if compute == 'auto':
       choose_path(fmt, rule.act)
     elif compute in ('int8', 'fp8') and (compute == 'int8') == fmt.is_float:
       raise ValueError(f"path={compute!r} cannot multiply {fmt.name} weights; use 'dequant' "
                        f"or '{'fp8' if fmt.is_float else 'int8'}'.")
+    elif compute in ('native', 'pallas') and rule.act is not None:
+      raise ValueError(f'path={compute!r} is weight-only, but the rule quantizes activations '
+                       f"({rule.act.name}); use path='auto' or drop act.")
   except ValueError as e:
     raise ValueError(f'quantize: layer {path!r}: {e}') from None
   return fmt
+
+
+def _check_flat_groups(fmt: QFormat, layer: Einsum, path: str, pattern: str) -> None:
+  """Groups longer than the last contracted axis run along the flattened contraction (o_proj's
+  N*H): allowed when each group is whole rows of contracted axes (`numerics.scale_shape`)."""
+  shape, contracted = layer.weight_shape, layer.contracted_axes
+  letters = parse_spec(layer.spec)[1]
+  flat = ''.join(letters[i] for i in contracted)
+  try:
+    sshape = scale_shape(shape, fmt)
+    cut = [i for i, (d, k) in enumerate(zip(shape, sshape))
+           if i != fmt.group_axis and i not in fmt.channel_axes and k > 1]
+    ok = all(i in contracted for i in cut)
+  except ValueError:
+    ok = False
+  if not ok:
+    ga = fmt.group_axis
+    raise ValueError(f'quantize: group_size={fmt.group_size} of rule {pattern!r} does not '
+                     f'divide layer {path!r}: its contraction axis {letters[ga]} has '
+                     f'{shape[ga]} elements (weight shape {shape}), and groups of the '
+                     f'flattened contraction {flat} must be whole rows of {letters[ga]}. Use a '
+                     f'group size dividing {shape[ga]} or a multiple of it that divides the '
+                     'axes before it, or a rule for this layer without groups.')
 
 
 def match_rules(rules, paths) -> tuple[list, tuple]:
@@ -209,7 +233,7 @@ def report_unused_rules(unused, paths, *, mode: str, strict: bool, fix: str,
          f'{list(paths)[:shown]} (patterns use re.fullmatch).')
   if strict:
     raise ValueError(msg + ' ' + fix)
-  warnings.warn(msg)
+  warnings.warn(msg, stacklevel=2)
 
 
 def _plan(model: nnx.Module, policy: QuantPolicy, mode: str):
@@ -257,7 +281,8 @@ def _float_bytes(layer: Einsum) -> int:
 
 
 def quantize_model(model: nnx.Module, policy: QuantPolicy,
-                   calibration: Union[None, str, Mapping[str, RangeArg]] = None):
+                   calibration: Union[None, str, Mapping[str, RangeArg]] = None,
+                   layout: Optional[str] = None):
   """A quantized copy of `model`; the float model is left untouched and usable.
 
   Each matched Einsum's weight becomes a `QWeight` holding a `QArray` (real, packed codes),
@@ -271,10 +296,15 @@ def quantize_model(model: nnx.Module, policy: QuantPolicy,
     calibration: how weight ranges are chosen: None (each format's `calibration`), a method
       name for every layer ('absmax', 'mse', ...), or {path: method or precomputed (lo, hi)
       in the grouped view} for some layers.
+    layout: how the codes are stored: 'packed' (bit-packed uint8, what the CPU paths read),
+      'native' (jnp.int4 / int8 / fp8, what XLA:GPU/TPU convert inside the matmul) or None
+      (`qjax.core.layouts.default_layout()`: native on GPU/TPU, packed on CPU). Converted
+      here, once.
 
   Returns:
     (qmodel, QuantReport).
   """
+  layout = layouts.check_layout(layout, 'quantize_model')
   plan, unused = _plan(model, policy, 'quantize_model')
   if isinstance(calibration, Mapping):
     unknown = set(calibration) - {p for p, *_ in plan}
@@ -291,7 +321,7 @@ def quantize_model(model: nnx.Module, policy: QuantPolicy,
                                  before))
       continue
     cal = calibration.get(path) if isinstance(calibration, Mapping) else calibration
-    q = _quantize_weight(layer.w.get_value(), fmt, cal, path)
+    q = layouts.to_layout(_quantize_weight(layer.w.get_value(), fmt, cal, path), layout)
     target = qlayers[path]
     target.w = QWeight(q, logical_axes=layer.axes, qformat=fmt)
     # Training-only fields go with the float weight; a PACT clip or input scale stays.
@@ -300,6 +330,20 @@ def quantize_model(model: nnx.Module, policy: QuantPolicy,
     reports.append(LayerReport(path, fmt.name, act.name if act else 'float', reason,
                                layer.weight_shape, before, nbytes(q)))
   return qmodel, QuantReport(tuple(reports), unused, 'quantize')
+
+
+def relayout_model(model: nnx.Module, layout: Optional[str] = None) -> nnx.Module:
+  """`model` with every quantized Einsum weight stored in `layout` (in place; returned).
+
+  For a model built another way than `quantize_model(layout=...)`: a PTQ method's output, or
+  a checkpoint loaded in the packed layout and served on a GPU/TPU. None: the backend's
+  default (`qjax.core.layouts.default_layout`).
+  """
+  layout = layouts.check_layout(layout, 'relayout_model')
+  for _, layer in einsum_layers(model):
+    if layer.quantized:
+      layer.w.set_value(layouts.to_layout(layer.w.get_value(), layout))
+  return model
 
 
 def apply_fake_quant(model: nnx.Module, policy: QuantPolicy):

@@ -20,7 +20,7 @@ import numpy as np
 from qjax import checkpoints as qckpt
 from qjax import eval as qeval
 from qjax.algorithms import apply_method
-from qjax.core import QFormat, choose_path
+from qjax.core import QFormat, choose_path, default_layout
 from qjax.nn import QuantPolicy, QuantRule, einsum_layers, set_kv_format, weight_bytes
 from qjax.train import data as qdata
 
@@ -309,8 +309,10 @@ def resolved_path(policy) -> str:
   if policy.path != 'auto':
     return policy.path
   rule = policy.rules[-1]
-  return (f'{choose_path(rule.weight, rule.act)} on {jax.default_backend()} '
-          '(qjax.core.choose_path; see qjax/core/qdot.py)')
+  layout = default_layout()
+  return (f'{choose_path(rule.weight, rule.act, layout=layout)} on {jax.default_backend()} '
+          f'({jax.devices()[0].device_kind}), {layout} codes '
+          '(qjax.core.choose_path, qjax.core.layouts; see qjax/core/qdot.py)')
 
 
 def base_checkpoint_hash(workdir: str) -> str:

@@ -180,7 +180,7 @@ def _exact_on_shards(layer, w, split_contraction: bool) -> bool:
   path = 'int8' if quant.outlier_threshold is not None else quant.path  # LLM.int8(): int8 x int8
   if path == 'auto':
     path = choose_path(w.qtype, quant.act_fmt)
-  return path in ('dequant', 'tiled') or not split_contraction
+  return path in ('dequant', 'tiled', 'native', 'pallas') or not split_contraction
 
 
 def _rebuild(proto, leaves, data_axes, mesh):

@@ -38,9 +38,18 @@ def test_bad_names_fail_before_anything_runs(tmp_path):
 
 
 def test_chip_and_int4_group_choices():
-  assert device_check.int4_group(device_check.model_config('llama32_1b', False)) == 64
+  assert device_check.int4_group(device_check.model_config('llama32_1b', False)) == 128
   assert device_check.int4_group(device_check.model_config('gemma3_270m', False)) == 128
   assert device_check.CHIP_OF_KIND[0] == ('h200', 'h200')
+
+
+def test_int4_rows_differ_only_in_layout_and_path():
+  cfg = device_check.model_config('llama32_1b', True)
+  pols = {f: device_check.policy(f, cfg) for f in device_check.INT4_VARIANTS}
+  assert {f: p.path for f, p in pols.items()} == {'int4': 'auto', 'int4_pallas': 'pallas',
+                                                   'int4_packed': 'dequant'}
+  assert len({p.rules for p in pols.values()}) == 1  # the same int4 g128 weights
+  assert pols['int4'].rules[0].weight.group_size == 128
 
 
 def test_render_merges_saved_runs(tmp_path):

@@ -74,7 +74,7 @@ def _edit_config(directory, **changes):
     (dict(tie_word_embeddings=True), 'tie_word_embeddings=true but lm_head.weight differs'),
     (dict(num_hidden_layers=3), r'model.layers.2.* missing'),
     (dict(model_type='gpt2'), r"model_type 'gpt2' is not supported"),
-    (dict(rope_parameters={'rope_type': 'llama3', 'rope_theta': 5e5}), "rope_type 'llama3'"),
+    (dict(rope_parameters={'rope_type': 'longrope', 'rope_theta': 5e5}), "rope_type 'longrope'"),
     (dict(hidden_act='gelu'), "hidden_act 'gelu'"),
     (dict(attention_bias=True), 'attention_bias=true is not supported'),
 ])

@@ -82,7 +82,8 @@ class QdotTest(chex.TestCase):
     assert qjax.choose_path(f4, None, 'cpu') == 'tiled'
     assert qjax.choose_path(fp8_format(), None, 'cpu') == 'tiled'
     assert qjax.choose_path(int_format(8), int_format(8), 'cpu') == 'int8'
-    assert qjax.choose_path(f4, None, 'gpu') == 'dequant'
+    assert qjax.choose_path(f4, None, 'gpu', layout='native') == 'native'  # GPU/TPU default
+    assert qjax.choose_path(f4, None, 'gpu', layout='packed') == 'dequant'
     assert qjax.choose_path(f4, int_format(8), 'tpu') == 'int8'
     assert qjax.choose_path(fp8_format(), fp8_format(), 'gpu') == 'fp8'
 
@@ -178,7 +179,7 @@ def test_default_cpu_paths_make_no_float_copy():
     q = quantize(w, fmt)
     for m in [1, 8, 64]:
       x = jax.random.normal(K[0], (m, 1024))
-      temp = jax.jit(lambda x, q: qdot(x, q, act_fmt=act)).lower(x, q).compile() \
+      temp = jax.jit(lambda x, q, act=act: qdot(x, q, act_fmt=act)).lower(x, q).compile() \
           .memory_analysis().temp_size_in_bytes
       assert temp < f32_copy / 2, (fmt.name, m, temp)
 

@@ -37,6 +37,20 @@ def test_quantize_and_qdot_with_weight_sharded_over_8_devices(eight_devices):
   assert float(qjax.sqnr_db(yd, y)) > 35
 
 
+def test_native_int4_codes_shard_and_multiply_like_packed(eight_devices):
+  mesh = _mesh(eight_devices)
+  w = jax.random.normal(jax.random.key(0), (256, 512))
+  x = jax.random.normal(jax.random.key(1), (4, 256))
+  packed = quantize(w, int_format(4, group_size=32, channel_axes=(1,)))  # 8 groups: 8 shards
+  native = qjax.to_layout(packed, 'native')
+  col = NamedSharding(mesh, P(None, 'model'))
+  for spec in (P(None, 'model'), P('model', None)):  # output axis, contraction axis
+    q = jax.device_put(native, jax.tree.map(lambda _, s=spec: NamedSharding(mesh, s), native))
+    assert q.data.dtype == jnp.int4 and len(q.data.addressable_shards) == 8
+    y = jax.jit(lambda x, q: qdot(x, q, path='native'), out_shardings=col)(x, q)
+    np.testing.assert_allclose(y, qdot(x, packed, path='dequant'), rtol=1e-5, atol=1e-5)
+
+
 def test_sharded_fake_quant_gradient(eight_devices):
   mesh = _mesh(eight_devices)
   w = jax.device_put(jax.random.normal(jax.random.key(0), (64, 128)),

@@ -72,10 +72,11 @@ def test_unused_rules_warn_and_strict_raises(model):
 
 
 def test_group_size_not_dividing_a_layer_names_it(model):
-  # o_proj contracts (N, H); groups go along H = 32, which 64 does not divide.
-  with pytest.raises(ValueError, match=r"group_size=64 .* layer 'layers/0/attn/o_proj'.*"
+  # o_proj contracts (N, H) = (4, 32); groups of 96 are neither within H nor whole rows of H
+  # over N (groups of 64 are: the flattened contraction, tests/nn/test_quantize_layouts.py).
+  with pytest.raises(ValueError, match=r"group_size=96 .* layer 'layers/0/attn/o_proj'.*"
                                        r'axis H has 32'):
-    quantize_model(model, _policy(QuantRule('.*', int_format(4, group_size=64))))
+    quantize_model(model, _policy(QuantRule('.*o_proj', int_format(4, group_size=96))))
 
 
 @pytest.mark.parametrize('kw, match', [

@@ -1,0 +1,140 @@
+"""Convert a tiny HF checkpoint (written without torch) and serve it: `qjax.pipeline.convert`.
+
+The checkpoint is a random qjax Llama under HF names with a byte-level BPE tokenizer and a
+chat template; the conversion is RTN int4 g16 (the calibration split it would give GPTQ is
+checked on its own, cheaply). The
+command-line runs of `experiments.convert` / `.serve` / `.generate` on checkpoints saved by
+HF transformers itself are in test_convert_cli.py (the reference extra).
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip('safetensors')
+pytest.importorskip('tokenizers')
+pytest.importorskip('jinja2')
+
+from flax import nnx  # noqa: E402
+
+from configs import convert as convert_config  # noqa: E402
+from qjax import infer  # noqa: E402
+from qjax.checkpoints import hf_config, model_params, read_record  # noqa: E402
+from qjax.checkpoints.hf_tokenizer import HFTokenizer  # noqa: E402
+from qjax.nn import Transformer  # noqa: E402
+from qjax.pipeline import convert  # noqa: E402
+import hf_testdata  # noqa: E402
+
+VOCAB = 320
+HF_CFG = dict(model_type='llama', hidden_act='silu', hidden_size=64, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=VOCAB,
+              intermediate_size=96, rms_norm_eps=1e-5, max_position_embeddings=128,
+              tie_word_embeddings=False,
+              rope_parameters=dict(rope_type='llama3', rope_theta=1e4, factor=8.0,
+                                   low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position_embeddings=32))
+
+
+def tiny_config(source, out, method='rtn'):
+  c = convert_config.get_config()
+  c.source, c.out = str(source), str(out)
+  c.quant.method, c.quant.bits, c.quant.group_size = method, 4, 16
+  c.calib.num_sequences, c.calib.seq_len, c.calib.batch_size = 8, 32, 4
+  c.eval.windows, c.eval.seq_len, c.eval.batch = 6, 32, 3
+  c.eval.prompt_len, c.eval.greedy_tokens = 8, 8
+  return c
+
+
+@pytest.fixture(scope='module')
+def converted(tmp_path_factory):
+  root = tmp_path_factory.mktemp('convert')
+  source = root / 'hf'
+  cfg = hf_config(HF_CFG)
+  hf_testdata.write_hf(source, HF_CFG, model_params(Transformer(cfg, rngs=nnx.Rngs(0))))
+  hf_testdata.write_tokenizer(source, VOCAB)
+  row = convert.convert(tiny_config(source, root / 'out'), log=lambda s: None)
+  return source, root / 'out', row
+
+
+def test_convert_writes_weights_tokenizer_and_a_record_that_hashes_them(converted):
+  source, out, row = converted
+  assert row['reload_bit_identical'] and row['name'] == 'rtn-int4-g16'
+  assert row['weight_bytes'] < row['float_weight_bytes']
+  record = read_record(str(out))  # verifies every artifact's sha256
+  for name in ('tokenizer.json', 'tokenizer_config.json', 'generation_config.json'):
+    assert (out / name).read_bytes() == (source / name).read_bytes()
+    assert name in record['artifacts']
+  assert set(record['base_checkpoint']['files']) == {'config.json', 'model.safetensors'}
+  assert record['model_config']['rope_scaling']['kind'] == 'llama3'
+  (out / 'tokenizer_config.json').write_text('{}')  # an edited artifact is refused
+  with pytest.raises(ValueError, match="artifact 'tokenizer_config.json'.*modified"):
+    convert.load_converted(str(out))
+  (out / 'tokenizer_config.json').write_bytes((source / 'tokenizer_config.json').read_bytes())
+
+
+def test_converted_checkpoint_serves_text_and_chat_with_the_engine(converted):
+  _, out, _ = converted
+  model, tok, record = convert.load_converted(str(out))
+  assert record['method'] == 'rtn' and tok.stop_ids == (2, 4)
+  rendered = tok.render_chat([{'role': 'user', 'content': 'Hi'}])
+  assert rendered == '<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n'
+  ids = tok.chat('Hi')
+  assert ids[0] == tok.encode('')[0] == 1 and ids.count(1) == 1  # one BOS: the template's
+  engine = infer.Engine(model, infer.EngineConfig(max_batch=2, num_pages=24, max_len=96),
+                        tokenizer=tok)
+  params = infer.SamplingParams(temperature=0.0, max_tokens=6, stop_tokens=tok.stop_ids)
+  outs = engine.generate([ids, 'To be, or not to be'], params)
+  assert all(1 <= len(o) <= 6 for o in outs)
+  assert np.all(np.asarray(outs[1]) < VOCAB) and isinstance(tok.decode(outs[1]), str)
+
+
+def test_calibration_windows_come_after_the_evaluation_windows_and_start_with_bos(converted):
+  from qjax.pipeline import calibration_set  # pylint: disable=g-import-not-at-top
+  source, _, _ = converted
+  tok = HFTokenizer.from_dir(str(source))
+  c = tiny_config(source, '')
+  data, windows = convert.corpus_data(tok, c.corpus, c.eval.seq_len, c.eval.windows)
+  assert windows.shape == (6, 33) and np.all(windows[:, 0] == 1)  # <bos>
+  ids = np.asarray(tok.encode(convert.corpus(c.corpus), add_special_tokens=False))
+  np.testing.assert_array_equal(windows[:, 1:], ids[:6 * 33].reshape(6, 33)[:, 1:])
+  np.testing.assert_array_equal(data.train, ids[6 * 33:])  # disjoint from evaluation
+  calib, desc = calibration_set(c.calib, data)
+  assert calib.shape == (8, 32) and np.all(calib[:, 0] == 1) and 'BOS' in desc
+  assert 'training split' in desc
+
+
+def test_bad_sources_are_refused_by_name(tmp_path, converted):
+  source, _, _ = converted
+  with pytest.raises(ValueError, match="config.source='.*nowhere' does not exist"):
+    convert.load_source(str(tmp_path / 'nowhere'), str(tmp_path / 'o1'))
+  bare = tmp_path / 'bare'
+  bare.mkdir()
+  for name in ('config.json', 'model.safetensors'):
+    (bare / name).write_bytes((source / name).read_bytes())
+  with pytest.raises(ValueError, match='has no tokenizer.json'):
+    convert.load_source(str(bare), str(tmp_path / 'o2'))
+  base = HFTokenizer.from_dir(str(source))
+  (tmp_path / 'o3').mkdir()
+  (tmp_path / 'o3' / 'tokenizer.json').write_bytes((source / 'tokenizer.json').read_bytes())
+  with pytest.raises(ValueError, match='no chat template.*--config.chat=True'):
+    HFTokenizer.from_dir(str(tmp_path / 'o3')).chat('Hi')
+  assert base.chat_template == hf_testdata.CHAT_TEMPLATE
+  assert json.loads((source / 'config.json').read_text())['model_type'] == 'llama'
+  assert os.path.isfile(source / 'tokenizer.json')
+
+
+def test_a_gemma_gguf_source_brings_its_tokenizer_bos_and_eos(tmp_path, monkeypatch):
+  pytest.importorskip('gguf')
+  import gguf_testdata as td  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv('QJAX_CACHE_DIR', str(tmp_path / 'cache'))
+  cfg = td.tiny_config(d_model=64, head_dim=32)
+  td.write_gguf(tmp_path / 'tiny.gguf', cfg, td.random_params(cfg))
+  model, tok, base, what = convert.load_source(str(tmp_path / 'tiny.gguf'),
+                                               str(tmp_path / 'out'))
+  assert base['files'].keys() == {'tiny.gguf'} and what.startswith('GGUF tiny.gguf')
+  assert sorted(os.listdir(tmp_path / 'out')) == ['tokenizer.json', 'tokenizer_config.json']
+  assert tok.stop_ids == (1,) and tok.encode('ab')[0] == 2 == convert.bos_id(tok)
+  assert tok.chat_template is None  # the tiny GGUF has none
+  assert model.config.sliding_window == cfg.sliding_window
