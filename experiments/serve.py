@@ -55,8 +55,9 @@ def _workload_table(c):
       row = workload.serve(engine, prompts, params)
       rows.append(dict(kv=fmt, prefix_caching=caching, **row))
       print(rows[-1], flush=True)
-  keys = ['kv', 'prefix_caching', 'generated', 'tokens_per_s', 'steps', 'prefill_tokens',
-          'prefix_hit_tokens', 'preemptions', 'compilations', 'paged_waste', 'contiguous_waste']
+  keys = ['kv', 'prefix_caching', 'generated', 'tokens_per_s', 'steps', 'dispatches',
+          'prefill_tokens', 'prefix_hit_tokens', 'preemptions', 'compilations', 'paged_waste',
+          'contiguous_waste', 'host_share']
   print('\n| ' + ' | '.join(keys) + ' |\n|' + '---|' * len(keys))
   for r in rows:
     print('| ' + ' | '.join(str(r[k]) for k in keys) + ' |')
