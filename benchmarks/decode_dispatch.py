@@ -4,7 +4,7 @@
 
 'host': a Python loop of `generate.greedy_step` (one dispatch per token); 'device':
 `generate.greedy_generate`, which runs every step after the prefill in one jitted
-`lax.fori_loop` (`generate.decode_steps`). A Gemma 3 270M-shaped model with `--layers`
+`lax.while_loop` (`generate.decode_loop`). A Gemma 3 270M-shaped model with `--layers`
 layers and random weights, batch 1, a 64-token prompt; the two are timed in turn, median of
 `--reps` (prefill included in both).
 """

@@ -12,7 +12,7 @@ measures, on the default backend:
     loop does (a 128-token context, 64 steps), at the `--host_batches` (default 1: each is
     one more executable to compile per row);
   * decode, device loop: `generate.decode_steps`, the same step run `steps` times inside one
-    jitted `lax.fori_loop` (what `greedy_generate` runs), so the time is the device's,
+    jitted `lax.while_loop` (what `greedy_generate` runs), so the time is the device's,
     without per-step dispatch (what the step itself costs);
   * weight bytes (the state's device buffers: packed codes count what they hold), the fraction
     of the HBM-bandwidth bound each decode step reaches ((weight bytes + the KV bytes a step

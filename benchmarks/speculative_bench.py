@@ -11,7 +11,7 @@ tokens per pass / (gamma c + v). On an accelerator's memory-bound decode v ~ 1 (
 al.'s model); on a compute-bound CPU v approaches gamma + 1.
 
 --mode=drafts: (1) distils the first `--skip` layers + head into `skip<k>d`
-(`qjax.infer.draft.distill_layer_skip`, logit KL at T=1 on Tiny Shakespeare's train part
+(`qjax.pipeline.draft.distill_layer_skip`, logit KL at T=1 on Tiny Shakespeare's train part
 after the prompts' first 200k characters, `speculative_sweep.train_text`) for
 `--distill_minutes` (or reuses `<out_dir>/skip<k>_distilled.npz` with --distill_minutes=0),
 printing the teacher-forced agreement 1 - E[TV] at T=0 / T=1 before and after on held-out
@@ -30,8 +30,9 @@ from absl import flags
 import numpy as np
 from flax import nnx
 
-from qjax.infer import SamplingParams, speculative_generate, speculative_sweep
-from qjax.infer import draft as qdraft
+from qjax.infer import SamplingParams, speculative_generate
+from qjax.pipeline import speculative_sweep
+from qjax.pipeline import draft as qdraft
 from qjax.nn import Transformer, TransformerConfig
 
 _MODE = flags.DEFINE_enum('mode', 'cost', ['cost', 'drafts'], 'what to measure (docstring)')

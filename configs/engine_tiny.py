@@ -28,7 +28,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.prompts = ('The capital of France is', 'Once upon a time', 'def fibonacci(n):')
   c.max_tokens = 24
   c.max_len = 256                  # the checkpoint's engine: longest prompt + output
-  c.engine = dict(max_batch=8, page_size=16, num_pages=96, chunk_size=32)
+  c.engine = dict(max_batch=8, page_size=16, num_pages=96, chunk_size=32,
+                  decode_block=8)  # decode steps per dispatch (1: one step per dispatch)
   c.workload = dict(num_requests=24, prompt_len=(8, 64), output_len=(8, 32), system_len=48,
                     shared_fraction=0.5, seed=0)
   c.kv_formats = ('float', 'int8')

@@ -1,4 +1,4 @@
-r"""Serving Gemma 3 270M: a Poisson request trace replayed side by side (`qjax.infer.serving`).
+r"""Serving Gemma 3 270M: a Poisson request trace replayed side by side (`qjax.pipeline.serving`).
 
 The trace: `num_requests` requests with exponential inter-arrival times (rate `rate` per
 second); each prompt is BOS, then (with probability `shared_fraction`) a common system

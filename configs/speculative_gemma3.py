@@ -9,15 +9,16 @@ x temperature {0, 0.7, 1.0}; each decodes 2 prompts per corpus (Tiny Shakespeare
 plainly and speculatively. skip6d is read from <distilled_dir>/skip6_distilled.npz, written
 by `python -m benchmarks.speculative_bench --mode=drafts --model=gemma3_270m --skip=6`
 (the point is recorded as failed until it exists); a '+head<K>' head scores the K most
-frequent tokens of the draft-training text (`speculative_sweep.train_text`). Rows (<out_dir>/results.jsonl, table.md): alpha measured and from
-1 - TV(p, q), tokens per target pass vs (1 - alpha^(g+1)) / (1 - alpha), target passes per
-token, wall-clock speedup over plain decoding of the same target, greedy agreement with plain
-greedy (1.0 = exact) or the shift of the mean target log-probability per token (0 in
-expectation when exact), and the KL columns (`qjax.infer.speculative_sweep` docstring):
-kl_exact (KL of the law verify emits vs the target's, ~1e-7 = float rounding) and, with
-kl_rows > 0, the first token's empirical KL over kl_rows seeded rows against its null spread
-(kl_z). plot.png: alpha vs draft bits, speedup vs gamma. Rerunning skips finished points; a failing point is recorded and the
-sweep goes on (`qjax.infer.speculative_sweep`).
+frequent tokens of the draft-training text (`speculative_sweep.train_text`). Rows
+(<out_dir>/results.jsonl, table.md): alpha measured and from 1 - TV(p, q), tokens per target
+pass vs (1 - alpha^(g+1)) / (1 - alpha), target passes per token, wall-clock speedup over
+plain decoding of the same target, greedy agreement with plain greedy (1.0 = exact) or the
+shift of the mean target log-probability per token (0 in expectation when exact), and the KL
+columns (`qjax.pipeline.speculative_sweep` docstring): kl_exact (KL of the law verify emits
+vs the target's, ~1e-7 = float rounding) and, with kl_rows > 0, the first token's empirical
+KL over kl_rows seeded rows against its null spread (kl_z). plot.png: alpha vs draft bits,
+speedup vs gamma. Rerunning skips finished points; a failing point is recorded and the sweep
+goes on (`qjax.pipeline.speculative_sweep`).
 
 Command:
   .venv/bin/python -m experiments.speculative --config=configs/speculative_gemma3.py

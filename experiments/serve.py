@@ -11,7 +11,7 @@ completion printed, then the run's throughput row.
 With a `trace` in the config (serve_gemma3): a Poisson request trace replayed side by side
 (continuous vs static batching, prefix caching, int8 / int4 KV caches in the same bytes, HF
 `generate`), printed as a table with throughput, TTFT / inter-token latency percentiles,
-cache memory and prefix hit rate, plotted to <out_dir>/serve.png (`qjax.infer.serving`).
+cache memory and prefix hit rate, plotted to <out_dir>/serve.png (`qjax.pipeline.serving`).
 
 Without one (engine_tiny): a synthetic batch served per (KV format, prefix caching), one row
 each: throughput of the second (compiled) run, steps, prefill tokens computed, prefix-hit
@@ -32,8 +32,9 @@ import numpy as np
 from configs import serve_gemma3
 from qjax import infer
 from qjax.eval import markdown_table
-from qjax.infer import serving
-from qjax.infer import trace as trace_lib
+from qjax.pipeline import serving
+from qjax.pipeline import trace as trace_lib
+from qjax.pipeline import workload
 from qjax.nn import Transformer, TransformerConfig
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/engine_tiny.py', lock_config=False)
@@ -42,20 +43,21 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/engine_tiny.py', lo
 def _workload_table(c):
   cfg = TransformerConfig(**c.model)
   model = Transformer(cfg, rngs=nnx.Rngs(c.seed))
-  prompts, params = infer.synthetic_workload(vocab_size=cfg.vocab_size, **c.workload)
+  prompts, params = workload.synthetic_workload(vocab_size=cfg.vocab_size, **c.workload)
   rows = []
   for fmt in c.kv_formats:
     for caching in c.prefix_caching:
       ecfg = infer.EngineConfig(kv_format=None if fmt == 'float' else fmt,
                                 prefix_caching=caching, **c.engine)
       engine = infer.Engine(model, ecfg)
-      infer.serve(engine, prompts, params)  # compiles the step buckets
+      workload.serve(engine, prompts, params)  # compiles the step buckets
       engine = infer.Engine(model, ecfg)  # fresh pages and prefix cache, same executables
-      row = infer.serve(engine, prompts, params)
+      row = workload.serve(engine, prompts, params)
       rows.append(dict(kv=fmt, prefix_caching=caching, **row))
       print(rows[-1], flush=True)
-  keys = ['kv', 'prefix_caching', 'generated', 'tokens_per_s', 'steps', 'prefill_tokens',
-          'prefix_hit_tokens', 'preemptions', 'compilations', 'paged_waste', 'contiguous_waste']
+  keys = ['kv', 'prefix_caching', 'generated', 'tokens_per_s', 'steps', 'dispatches',
+          'prefill_tokens', 'prefix_hit_tokens', 'preemptions', 'compilations', 'paged_waste',
+          'contiguous_waste', 'host_share']
   print('\n| ' + ' | '.join(keys) + ' |\n|' + '---|' * len(keys))
   for r in rows:
     print('| ' + ' | '.join(str(r[k]) for k in keys) + ' |')

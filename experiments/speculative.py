@@ -3,7 +3,7 @@ r"""Speculative decoding sweep (draft precision x gamma x temperature); resumabl
   python -m experiments.speculative --config=configs/speculative_gemma3.py [--config.small=True]
       [--config.idle=True]
 
-Writes <out_dir>/results.jsonl and table.md (`qjax.infer.speculative_sweep`) and prints the
+Writes <out_dir>/results.jsonl and table.md (`qjax.pipeline.speculative_sweep`) and prints the
 table.
 """
 
@@ -12,7 +12,7 @@ from ml_collections import config_flags
 
 from configs import speculative_gemma3
 from qjax import eval as qeval
-from qjax.infer import speculative_sweep
+from qjax.pipeline import speculative_sweep
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/speculative_gemma3.py',
                                           lock_config=False)

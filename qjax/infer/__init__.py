@@ -1,8 +1,11 @@
 """Inference: sampling, speculative decoding, and the serving engine (paged cache, batching).
 
     from qjax.infer import SamplingParams, SamplingBatch, sample, processed_logits
-    from qjax.infer import Engine, EngineConfig, SpeculativeEngine, poisson_trace, replay
-    from qjax.infer import serving   # side-by-side trace comparison (serving.compare)
+    from qjax.infer import Engine, EngineConfig, SpeculativeEngine
+
+The runtime only: it imports `qjax.core`, `qjax.nn` and `qjax.sharding`. Request traces,
+workloads, serving comparisons and plots, draft training and the speculative sweep are
+harnesses in `qjax.pipeline` (`trace`, `workload`, `serving`, `draft`, `speculative_sweep`).
 """
 
 # --- sampling and speculative decoding (qjax/infer/sampling.py, speculative.py) ---
@@ -15,9 +18,9 @@ from qjax.infer.speculative import (SpecStats, check_compatible, layer_skip_draf
 from qjax.infer.speculative_core import acceptance_prob, expected_tokens_per_pass, verify
 # --- end sampling and speculative decoding ---
 
-# --- engine: blockwise attention, paged KV cache, scheduler, prefix cache, traces (blockwise.py,
+# --- engine: blockwise attention, paged KV cache, scheduler, prefix cache (blockwise.py,
 # paged.py, page_host.py, scheduler.py, prefix_cache.py, engine_config.py, engine.py,
-# spec_engine.py, trace.py, serving.py) ---
+# engine_block.py, spec_engine.py) ---
 from qjax.infer.blockwise import (attention_temp_bytes, bucket_perplexity, forward_temp_bytes,
                                   token_nll, with_attention_impl)
 from qjax.infer.paged import (POOL_AXES, PagedKVCache, init_paged_cache, ring_pages_needed,
@@ -29,6 +32,4 @@ from qjax.infer.scheduler import PREEMPTION_MODES, Scheduler, StepPlan
 from qjax.infer.scheduler import Sequence as SequenceState
 from qjax.infer.engine import Engine, EngineConfig, EngineStats
 from qjax.infer.spec_engine import SpeculativeEngine
-from qjax.infer.workload import serve, synthetic_workload
-from qjax.infer.trace import TraceRequest, poisson_trace, replay
 # --- end engine ---

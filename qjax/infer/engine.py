@@ -28,12 +28,18 @@ chunk-wide rows for decodes (the step costs are in docs/engine.md).
 So the step compiles once per bucket (`Engine.buckets`; `compile_buckets` does it up front).
 Before each step the host checks every sequence's write against its pages and the context
 (`page_host.check_step`), so an overflow is an error naming the request.
+
+While every running request decodes, a dispatch runs up to `EngineConfig.decode_block` steps
+on the device with the rows' state kept there (`qjax.infer.engine_block`); the tokens are
+those of one step per dispatch. `EngineStats` splits the time into host planning, dispatch,
+device wait and compilation.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import time
 from typing import Iterator, Optional, Sequence, Union
 
 import jax
@@ -41,7 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qjax.infer import page_host, paged
+from qjax.core.decode_paths import DecodeWeights
+from qjax.infer import engine_block, page_host, paged
 from qjax.infer.engine_config import EngineConfig, EngineStats
 from qjax.infer.prefix_cache import PrefixCache
 from qjax.infer.sampling import SamplingBatch, SamplingParams, finish_reason, row_keys, sample
@@ -51,6 +58,7 @@ from qjax.nn import validate
 from qjax.nn.attention import kv_format
 from qjax.nn.generate import argmax_or_non_finite
 from qjax.nn.kvcache import check_format
+from qjax.nn.model_split import StaticGraphdef, merge
 
 
 def _buckets(max_batch: int, chunk: int) -> tuple[tuple[int, int, int], ...]:
@@ -84,7 +92,7 @@ def _greedy(logits_BV):
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3,))
 def _step(graphdef, state, tokens_BT, cache, last_B, params, position_B, seen_BV):
   _TRACES[0] += 1  # runs only while tracing
-  model = nnx.merge(graphdef, state)
+  model = merge(graphdef, state)
   x_BTD, cache = paged.forward(model, tokens_BT, cache)
   x_B1D = x_BTD.reshape(-1, 1, x_BTD.shape[-1])[last_B]  # last_B: each row's last token
   logits_BV = model.logits(x_B1D)[:, 0]
@@ -100,14 +108,14 @@ def _step(graphdef, state, tokens_BT, cache, last_B, params, position_B, seen_BV
   return tok_B, logprob_B, cache
 
 
-class Engine:
+class Engine(engine_block.BlockDecoding):
   """Continuous batching with a paged KV cache; see the module docstring."""
 
-  def __init__(self, model: nnx.Module, config: EngineConfig = EngineConfig(),
+  def __init__(self, model: nnx.Module, config: Optional[EngineConfig] = None,
                tokenizer=None, *, mesh=None, layout=None, shard_weights: bool = True):
     """Args:
       model: a (float or quantized) `Transformer`.
-      config: batching and cache settings.
+      config: batching and cache settings (default `EngineConfig()`).
       tokenizer: encodes text prompts and decodes for stop strings (optional).
       mesh: a device mesh (`qjax.sharding.make_mesh`) to run on, or None (one device).
       layout: with a mesh, the layout whose rules split the page pools
@@ -115,6 +123,7 @@ class Engine:
       shard_weights: split the weights too (else they are replicated).
     """
     cfg = model.config
+    config = EngineConfig() if config is None else config
     self.model, self.config, self.tokenizer = model, config, tokenizer
     self.max_len = cfg.max_len if config.max_len is None else config.max_len
     if self.max_len > cfg.max_len:
@@ -155,15 +164,22 @@ class Engine:
         cfg, num_pages=config.num_pages, page_size=p, batch=config.max_batch,
         max_pages=self.max_pages, ring_pages=ring_pages, num_ring_pages=num_ring,
         fmt=self.qformat)
-    self.graphdef, self.state = nnx.split(model)
+    # Split once; the graphdef hashed once (a static jit argument hashed every call would
+    # cost ms per step), and bf16 weights widened once on XLA:CPU without the kernel.
+    graphdef, self.state = nnx.split(model)
+    self.graphdef = StaticGraphdef(graphdef)
     if mesh is not None:
       self.cache = paged.shard_pools(self.cache, rules, mesh)
       if shard_weights:
         self.state = jax.device_put(self.state,
                                     sharding.state_shardings(self.state, rules, mesh))
+    self.state = DecodeWeights(self.state)(self.state)
+    self._resident = engine_block.Resident()
+    self._inflight = None  # a decode block dispatched but not yet read (`engine_block`)
+    self._batches: dict[tuple, SamplingBatch] = {}
     self.mesh = mesh
     self.stats = EngineStats()
-    self._traces_before = _TRACES[0]
+    self._traces_before = self._traces()
     self._ids = itertools.count()
     self._seqs: dict[str, SeqState] = {}
 
@@ -237,8 +253,54 @@ class Engine:
 
   # ---- stepping ----------------------------------------------------------------------------
   def step(self) -> list[tuple[str, int]]:
-    """Run one batched step; returns (request id, token) of the tokens it generated."""
-    return self._run_plan(self.scheduler.schedule())
+    """Run one batched step, or a block of decode steps while every running request decodes
+    (`EngineConfig.decode_block`); returns (request id, token) of the tokens generated, in
+    step order."""
+    if self._inflight is not None:  # a decode block queued behind the last one
+      return self._run_inflight()
+    t0 = time.perf_counter()
+    plan = self.scheduler.schedule()
+    steps = self._block_steps(plan)
+    self.stats.host_s += time.perf_counter() - t0
+    if steps > 1:
+      return self._run_block(plan, steps)
+    return self._run_plan(plan)
+
+  @staticmethod
+  def _traces() -> int:
+    return _TRACES[0] + engine_block._TRACES[0]  # pylint: disable=protected-access
+
+  def _dispatch(self, fn, *args):
+    """`fn(*args)` (a jitted step), its time booked as dispatch or, when it compiled, as
+    compile time."""
+    before, t0 = self._traces(), time.perf_counter()
+    out = fn(*args)
+    dt = time.perf_counter() - t0
+    if self._traces() != before:
+      self.stats.compile_s += dt
+    else:
+      self.stats.dispatch_s += dt
+    self.stats.dispatches += 1
+    # Steps another engine of the same model and shapes compiled are reused, not counted.
+    self.stats.compilations = self._traces() - self._traces_before
+    return out
+
+  def _fetch(self, tree):
+    """The step's outputs on the host; the time blocked is the device wait."""
+    t0 = time.perf_counter()
+    out = jax.device_get(tree)
+    self.stats.wait_s += time.perf_counter() - t0
+    return out
+
+  def _sampling(self, params) -> SamplingBatch:
+    """`SamplingBatch.stack(params)`, kept on the device for a mix of params seen before."""
+    key = tuple(params)
+    batch = self._batches.get(key)
+    if batch is None:
+      if len(self._batches) > 64:
+        self._batches.clear()
+      batch = self._batches[key] = SamplingBatch.stack(params)
+    return batch
 
   def _feed_draft(self, tokens_N1, layout: dict) -> None:
     """Hook: the same step's tokens and cache layout (`paged.with_step`'s arguments) for a
@@ -276,6 +338,7 @@ class Engine:
 
   def _run_plan(self, plan) -> list[tuple[str, int]]:
     """One batched step of `plan` (the scheduler's)."""
+    t0 = time.perf_counter()
     if not any(plan.num_new):
       if self.scheduler.waiting:
         raise RuntimeError(f'Engine: {len(self.scheduler.waiting)} requests wait but none can '
@@ -304,18 +367,20 @@ class Engine:
       for row, seq in enumerate(plan.rows):
         if seq is not None:
           seen[row, seq.tokens] = True
-    tok_B, logprob_B, self.cache = _step(
-        self.graphdef, self.state, jnp.asarray(tokens), self.cache, jnp.asarray(last),
-        SamplingBatch.stack(params), jnp.asarray(position), seen)
-    # Steps another engine of the same model and shapes compiled are reused, not counted.
-    self.stats.compilations = _TRACES[0] - self._traces_before
+    args = (jnp.asarray(tokens), self.cache, jnp.asarray(last), self._sampling(params),
+            jnp.asarray(position), seen)
+    self.stats.host_s += time.perf_counter() - t0
+    tok_B, logprob_B, self.cache = self._dispatch(_step, self.graphdef, self.state, *args)
+    tok_B, logprob_B = self._fetch((tok_B, logprob_B))
+    t0 = time.perf_counter()
     self._account(plan)
-    logprobs = np.asarray(logprob_B).tolist()
-    events = self.scheduler.complete(plan, np.asarray(tok_B).tolist(), self._finished)
+    logprobs = logprob_B.tolist()
+    events = self.scheduler.complete(plan, tok_B.tolist(), self._finished)
     sampled = {rid for rid, _ in events}
     for row, seq in enumerate(plan.rows):
       if seq is not None and seq.params.logprobs and seq.id in sampled:
         seq.logprobs.append(logprobs[row])
+    self.stats.host_s += time.perf_counter() - t0
     return events
 
   def compile_buckets(self) -> int:
@@ -332,7 +397,9 @@ class Engine:
       out = _step(self.graphdef, self.state, jnp.asarray(zeros(n, 1)), self.cache,
                   jnp.asarray(zeros(b)), params, jnp.asarray(zeros(b)), None)
       self.cache = jax.block_until_ready(out)[2]
-    self.stats.compilations = _TRACES[0] - self._traces_before
+    if self.config.decode_block > 1:
+      self._compile_block(params)
+    self.stats.compilations = self._traces() - self._traces_before
     return self.stats.compilations
 
   def _account(self, plan) -> None:

@@ -29,6 +29,9 @@ class EngineConfig:
     prefill_budget: most prompt tokens fed per step over all sequences (vLLM's token budget
       of chunked prefill), or None: every prefilling sequence feeds a chunk each step. With
       `chunk_size`, every step fits the bucket of decodes beside one chunk.
+    decode_block: K, the most decode steps one dispatch runs while every running request
+      decodes (`qjax.infer.engine_block`); the host reads tokens once per block. 1: one step
+      per dispatch.
   """
 
   max_batch: int = 4
@@ -41,12 +44,13 @@ class EngineConfig:
   ring: bool = True
   preemption: str = 'recompute'
   prefill_budget: Optional[int] = None
+  decode_block: int = 8
 
   def __post_init__(self):
     if self.preemption not in PREEMPTION_MODES:
       raise ValueError(f'EngineConfig: preemption={self.preemption!r} is unknown; use one of '
                        f'{PREEMPTION_MODES}.')
-    for name in ('max_batch', 'page_size', 'num_pages', 'chunk_size'):
+    for name in ('max_batch', 'page_size', 'num_pages', 'chunk_size', 'decode_block'):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f'EngineConfig: {name}={v!r} must be a positive integer.')
@@ -65,8 +69,16 @@ class EngineConfig:
 
 @dataclasses.dataclass
 class EngineStats:
-  """Counters of one engine (host side); `waste` entries are per step."""
-  steps: int = 0
+  """Counters of one engine (host side); `waste` entries are per step.
+
+  Time is split four ways, in seconds summed over steps (wall clock of the calling thread):
+  `host_s` plans and books (scheduler, tables, events), `dispatch_s` enqueues the jitted
+  step (argument handling; asynchronous, so it returns before the device finishes),
+  `wait_s` blocks on the tokens (the device's compute not hidden behind the host's), and
+  `compile_s` is the dispatch time of calls that traced (compiled) a new step.
+  """
+  steps: int = 0  # decode steps run (a block of K counts the steps it ran)
+  dispatches: int = 0  # jitted calls (a block of K steps is one)
   prefill_tokens: int = 0  # prompt (and recomputed) positions computed
   decode_tokens: int = 0
   compilations: int = 0
@@ -78,6 +90,12 @@ class EngineStats:
   allocated_slots: int = 0  # summed over steps and layers: pages held * P
   used_slots: int = 0  # summed over steps and layers: positions held
   contiguous_slots: int = 0  # summed over steps and layers: max_len per running request
+  host_s: float = 0.0
+  dispatch_s: float = 0.0
+  wait_s: float = 0.0
+  compile_s: float = 0.0
+  arrays_sent: int = 0  # host -> device arrays of the decode blocks' row state
+  arrays_kept: int = 0  # the same, reused from the device (unchanged)
 
   @property
   def paged_waste(self) -> float:
@@ -88,3 +106,17 @@ class EngineStats:
   def contiguous_waste(self) -> float:
     """The same for a contiguous cache of max_len slots per running request."""
     return 1 - self.used_slots / max(self.contiguous_slots, 1)
+
+  @property
+  def host_share(self) -> float:
+    """Host planning + dispatch as a share of the engine's time (compiles excluded)."""
+    busy = self.host_s + self.dispatch_s + self.wait_s
+    return (self.host_s + self.dispatch_s) / busy if busy else 0.0
+
+  def timing(self) -> dict:
+    """Milliseconds per decode step of each share, and the host share (a report row)."""
+    per = 1e3 / max(self.steps, 1)
+    return dict(steps=self.steps, dispatches=self.dispatches,
+                host_ms_per_step=self.host_s * per, dispatch_ms_per_step=self.dispatch_s * per,
+                wait_ms_per_step=self.wait_s * per, compile_s=self.compile_s,
+                host_share=self.host_share)

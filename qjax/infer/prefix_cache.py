@@ -19,10 +19,17 @@ import numpy as np
 from qjax.infer.page_host import PageAllocator
 
 
-def block_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
-  """The chain hash of every full page of `tokens` (len(tokens) // page_size of them)."""
-  out, parent = [], b''
-  for j in range(len(tokens) // page_size):
+def block_hashes(tokens: Sequence[int], page_size: int,
+                 known: Sequence[bytes] = ()) -> list[bytes]:
+  """The chain hash of every full page of `tokens` (len(tokens) // page_size of them).
+
+  `known`: the hashes of its first pages, computed before (a prefix of the answer); only
+  the pages after them are hashed, so a sequence hashes each page once however many chunks
+  its prompt is fed in.
+  """
+  out = list(known)
+  parent = out[-1] if out else b''
+  for j in range(len(out), len(tokens) // page_size):
     block = np.asarray(tokens[j * page_size:(j + 1) * page_size], np.int64).tobytes()
     parent = hashlib.sha256(parent + block).digest()
     out.append(parent)
@@ -52,7 +59,7 @@ class PrefixCache:
     """Pages of the longest cached prefix of `tokens` (at most `max_pages`), each shared
     (one more hold, the caller's; free them with the sequence)."""
     pages = []
-    hashes = block_hashes(tokens, self.page_size)[:max_pages]
+    hashes = block_hashes(tokens[:max_pages * self.page_size], self.page_size)
     self.queries += len(hashes)
     for h in hashes:
       page = self._pages.get(h)
@@ -64,14 +71,20 @@ class PrefixCache:
     self.allocator.share(pages)
     return pages
 
-  def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
-    """Remember the full pages of a sequence whose first len(tokens) positions are cached."""
-    for h, page in zip(block_hashes(tokens, self.page_size), pages):
+  def insert(self, tokens: Sequence[int], pages: Sequence[int],
+             hashes: Sequence[bytes] = ()) -> list[bytes]:
+    """Remember the full pages of a sequence whose first len(tokens) positions are cached.
+
+    `hashes`: those of its first pages from an earlier call (only later pages are hashed).
+    Returns the hashes of every full page of `tokens` (pass them to the next call)."""
+    hashes = block_hashes(tokens, self.page_size, hashes)
+    for h, page in zip(hashes, pages):
       if h in self._pages:
         self._pages.move_to_end(h)
         continue
       self._pages[h] = page
       self.allocator.share([page])
+    return hashes
 
   def evict(self, num_pages: int) -> int:
     """Drop up to `num_pages` least recently used pages nobody else holds; returns how many."""

@@ -325,12 +325,11 @@ def _sample_pick(logits_BV, params, position_B, seen_BV):
   return validate.mark_non_finite(tok_B, logits_BV), logprob_B, seen_BV
 
 
-def _sample_block_pick(logits_BV, step, carry):
-  """`_sample_pick` as a `decode_steps` pick: output token `first + step` of each row."""
-  params, first, seen_BV = carry
-  position_B = jnp.full(logits_BV.shape[:1], first + step, jnp.int32)
-  tok_B, logprob_B, seen_BV = _sample_pick(logits_BV, params, position_B, seen_BV)
-  return tok_B, logprob_B, (params, first, seen_BV)
+def _sample_block_pick(logits_BV, count_B, carry):
+  """`_sample_pick` as a `decode_loop` pick: count_B is each row's output position."""
+  params, seen_BV = carry
+  tok_B, logprob_B, seen_BV = _sample_pick(logits_BV, params, count_B, seen_BV)
+  return tok_B, logprob_B, (params, seen_BV)
 
 
 def as_batch(params, batch: int) -> SamplingBatch:
@@ -347,7 +346,8 @@ def as_batch(params, batch: int) -> SamplingBatch:
   return out
 
 
-def sample_generate(model, prompt_BT: jax.Array, params, max_tokens: int):
+def sample_generate(model, prompt_BT: jax.Array, params, max_tokens: int, *,
+                    decode_block: Optional[int] = None):
   """Plain (one token per step) sampled continuation of `prompt_BT` by `max_tokens` tokens.
 
   Args:
@@ -357,6 +357,8 @@ def sample_generate(model, prompt_BT: jax.Array, params, max_tokens: int):
       distribution-defining fields are used here; stop tokens and strings are applied by the
       caller with `truncate_at_stop` / `finish_reason`.
     max_tokens: tokens to generate (>= 1).
+    decode_block: decode steps per dispatch (`qjax.nn.generate.decode_loop`); None: all in
+      one (padded to a power of two). The tokens do not depend on it.
 
   Returns:
     (tokens_B(T+max_tokens), logprob_B(max_tokens)): prompt + output, and the model
@@ -380,13 +382,17 @@ def sample_generate(model, prompt_BT: jax.Array, params, max_tokens: int):
   seen_BV = seen_mask(prompt_BT, cfg.vocab_size)
   (tok_B, logprob_B, seen_BV), cache = nn_generate.decode_step(
       model, prompt_BT, cache, _sample_pick, batch, jnp.zeros((b,), jnp.int32), seen_BV)
-  toks, logps = [prompt_BT, tok_B[:, None]], [logprob_B[:, None]]
-  if max_tokens > 1:  # the rest in one dispatch, the loop on the device
-    new_BL, logp_BL, cache, _ = nn_generate.decode_steps(
-        model, tok_B, cache, max_tokens - 1, _sample_block_pick,
-        (batch, jnp.int32(1), seen_BV))
+  toks, logps = [np.asarray(prompt_BT), np.asarray(tok_B)[:, None]], [
+      np.asarray(logprob_B)[:, None]]
+  if max_tokens > 1:  # the rest on the device, `decode_block` steps per dispatch
+    block = nn_generate.bucket_length(max_tokens - 1) if decode_block is None else decode_block
+    state = nn_generate.LoopState.start(tok_B, max_tokens, count_B=np.ones(b),
+                                        carry=(batch, seen_BV))
+    loop = nn_generate.decode_loop(model, cache, state, pick=_sample_block_pick,
+                                   decode_block=block)
+    new_BL, logp_BL = nn_generate.collect(loop, max_tokens - 1)
     toks.append(new_BL)
     logps.append(logp_BL)
-  tokens = jnp.concatenate(toks, axis=1)
+  tokens = np.concatenate(toks, axis=1).astype(np.int32)
   validate.raise_non_finite(tokens, 'sample_generate', start=t)
-  return tokens, jnp.concatenate(logps, axis=1)
+  return jnp.asarray(tokens), jnp.asarray(np.concatenate(logps, axis=1))

@@ -57,6 +57,8 @@ class Sequence:
     arrival: its place in arrival order (set by `Scheduler.add`): the priority.
     finish_reason: 'stop', 'length' or 'error' once finished, else None.
     error: why it ended with 'error' (non-finite logits), else None.
+    page_hashes: the prefix cache's chain hashes of its prompt's full pages computed so far
+      (each page is hashed once, not once per chunk).
   """
 
   id: str
@@ -75,6 +77,7 @@ class Sequence:
   arrival: int = -1
   finish_reason: Optional[str] = None
   error: Optional[str] = None
+  page_hashes: list = dataclasses.field(default_factory=list)  # prefix cache, full pages
 
   @property
   def tokens(self) -> list[int]:
@@ -223,6 +226,25 @@ class Scheduler:
     running or the pool cannot give them."""
     return seq in self.running and self._grow(seq, n, preempt_self=False)
 
+  def reserve_all(self, steps: int) -> bool:
+    """Pages for up to `steps` more decode positions of every running sequence (at most what
+    its max_tokens leave), all or none: False, taking nothing, when the pool (after evicting
+    cached prefixes) cannot give them all; nothing is preempted for them."""
+    need = {id(seq): self.pages_for(seq.num_cached + min(steps, seq.max_tokens -
+                                                         len(seq.output))) - len(seq.pages)
+            for seq in self.running}
+    total = sum(max(n, 0) for n in need.values())
+    if total == 0:
+      return True
+    pages = self._take(total)
+    if pages is None:
+      return False
+    for seq in self.running:
+      n = max(need[id(seq)], 0)
+      seq.pages += pages[:n]
+      pages = pages[n:]
+    return True
+
   def _admit(self, seq: Sequence, row: int) -> bool:
     if seq.swapped is not None:
       return self._swap_back(seq, row)
@@ -345,7 +367,8 @@ class Scheduler:
       seq.num_cached += n
       if self.prefix_cache is not None and not seq.output:
         done = min(seq.num_cached, len(seq.prompt))
-        self.prefix_cache.insert(seq.prompt[:done], seq.pages)
+        seq.page_hashes = self.prefix_cache.insert(seq.prompt[:done], seq.pages,
+                                                   seq.page_hashes)
       if seq.num_pending == 0 and int(tokens[row]) < 0:  # NON_FINITE: no token to give
         self.fail(seq)
       elif seq.num_pending == 0:  # the whole sequence is cached: this row sampled a token

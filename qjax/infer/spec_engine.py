@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -36,22 +38,28 @@ from flax import nnx
 
 from qjax.infer import page_host, paged, speculative_core
 from qjax.infer.engine import Engine, EngineConfig
-from qjax.infer.sampling import SamplingBatch, SamplingParams, processed_logits, row_keys
+from qjax.infer.sampling import SamplingParams, processed_logits, row_keys
 from qjax.infer.speculative import _ACCEPT, _DRAFT, _FINAL, SpecStats, check_compatible
 from qjax.nn import validate
+from qjax.nn.model_split import StaticGraphdef, merge
 from qjax.nn.attention import kv_format
+
+
+_TRACES = [0]  # how often `_feed` and `_round` were traced (= compiled), over every engine
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3,))
 def _feed(dgraph, dstate, tokens_BT, dcache):
-  draft = nnx.merge(dgraph, dstate)
+  _TRACES[0] += 1  # runs only while tracing
+  draft = merge(dgraph, dstate)
   return paged.forward(draft, tokens_BT, dcache)[1]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 4), donate_argnums=(5, 6))
 def _round(tgraph, tstate, dgraph, dstate, gamma, tcache, dcache, cur_B, gen_B, params):
   """Draft gamma tokens per row, verify them with one target forward; see the docstring."""
-  target, draft = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
+  _TRACES[0] += 1  # runs only while tracing
+  target, draft = merge(tgraph, tstate), merge(dgraph, dstate)
 
   def draft_step(carry, i):
     dcache, tok_B = carry
@@ -87,7 +95,7 @@ class SpeculativeEngine(Engine):
   """`Engine` whose decode steps are speculative rounds with `draft` (module docstring)."""
 
   def __init__(self, model: nnx.Module, draft: nnx.Module,
-               config: EngineConfig = EngineConfig(), tokenizer=None, *, gamma: int = 4):
+               config: Optional[EngineConfig] = None, tokenizer=None, *, gamma: int = 4):
     """Args:
       model: the target `Transformer` (its distribution is the output's).
       draft: a `Transformer` of the same vocabulary; its own KV format is used.
@@ -96,6 +104,7 @@ class SpeculativeEngine(Engine):
       gamma: draft tokens per round (>= 1).
     """
     check_compatible(model, draft, gamma)
+    config = EngineConfig() if config is None else config
     if config.preemption != 'recompute':
       raise ValueError(f"SpeculativeEngine: preemption={config.preemption!r}; only "
                        "'recompute' is supported (a swap would have to copy the draft's "
@@ -108,7 +117,8 @@ class SpeculativeEngine(Engine):
     self.dcache = paged.init_paged_cache(
         draft.config, num_pages=self.config.num_pages, page_size=self.config.page_size,
         batch=self.config.max_batch, max_pages=self.max_pages, fmt=kv_format(draft))
-    self.dgraph, self.dstate = nnx.split(draft)
+    dgraph, self.dstate = nnx.split(draft)
+    self.dgraph = StaticGraphdef(dgraph)  # hashed once, not on every call
     self._counts = dict(rounds=0, tokens=0, reached_G=np.zeros(gamma, np.int64),
                         accepted_G=np.zeros(gamma, np.int64), beta_sum_G=np.zeros(gamma))
 
@@ -130,7 +140,12 @@ class SpeculativeEngine(Engine):
     self.dcache = paged.with_step(self.dcache, **dict(layout, ring_table=no_ring))
     self.dcache = _feed(self.dgraph, self.dstate, jnp.asarray(tokens_N1), self.dcache)
 
+  @staticmethod
+  def _traces() -> int:
+    return Engine._traces() + _TRACES[0]  # pylint: disable=protected-access
+
   def step(self) -> list[tuple[str, int]]:
+    t0 = time.perf_counter()
     plan = self.scheduler.schedule()
     live = [s for s in plan.rows if s is not None]
     decoding = bool(live) and all(s.output and s.num_pending == 1 and
@@ -139,11 +154,14 @@ class SpeculativeEngine(Engine):
       before = self.scheduler.preemptions
       grown = all(self.scheduler.reserve(s, self.gamma + 1) for s in live)
       if grown and self.scheduler.preemptions == before:
+        self.stats.host_s += time.perf_counter() - t0
         return self._speculate(plan)
       plan = self.scheduler.schedule()  # someone was preempted: plan again, plainly
+    self.stats.host_s += time.perf_counter() - t0
     return self._run_plan(plan)
 
   def _speculate(self, plan) -> list[tuple[str, int]]:
+    t0 = time.perf_counter()
     b, g = self.config.max_batch, self.gamma
     table = np.zeros((b, self.max_pages), np.int32)
     length, cur, gen = (np.zeros(b, np.int32) for _ in range(3))
@@ -161,10 +179,13 @@ class SpeculativeEngine(Engine):
     ring = np.zeros(self.cache.ring_table.shape, np.int32)
     self.cache = paged.with_step(self.cache, table, ring, length, (g + 1) * num_new)
     self.dcache = paged.with_step(self.dcache, table, np.zeros((b, 0)), length, num_new)
-    num_acc, tokens, beta, self.cache, self.dcache = _round(
-        self.graphdef, self.state, self.dgraph, self.dstate, g, self.cache, self.dcache,
-        jnp.asarray(cur), jnp.asarray(gen), SamplingBatch.stack(params))
-    num_acc, tokens, beta = jax.device_get((num_acc, tokens, beta))
+    args = (jnp.asarray(cur), jnp.asarray(gen), self._sampling(params))
+    self.stats.host_s += time.perf_counter() - t0
+    num_acc, tokens, beta, self.cache, self.dcache = self._dispatch(
+        _round, self.graphdef, self.state, self.dgraph, self.dstate, g, self.cache,
+        self.dcache, *args)
+    num_acc, tokens, beta = self._fetch((num_acc, tokens, beta))
+    t0 = time.perf_counter()
     self.stats.steps += 1
     events = []
     for row, seq in enumerate(plan.rows):
@@ -189,4 +210,5 @@ class SpeculativeEngine(Engine):
           seq.finished = True
           self.scheduler.release(seq)
           break
+    self.stats.host_s += time.perf_counter() - t0
     return events

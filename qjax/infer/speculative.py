@@ -7,13 +7,15 @@
                                             params=SamplingParams(temperature=0.7), gamma=4)
     stats.alpha, stats.alpha_tv, stats.tokens_per_pass, stats.expected_tokens_per_pass
 
-One round (one jitted function of both models): the draft decodes gamma tokens with its own
-KV cache, drawing each from `processed_logits` of its logits; the target feeds the last
-emitted token and the gamma draft tokens (gamma + 1 positions) through its cache in one
-forward; `speculative_core.verify` accepts a prefix and draws the next token; both caches
-roll back to the accepted length by lowering each row's `length` (slots at or past a row's
-length are hidden by the causal mask and rewritten by the next round). Rows accept different
-numbers of tokens, so every row keeps its own length, output count and done flag.
+One round (a function of both models; `rounds_per_dispatch` of them run in one jitted
+`lax.while_loop`, so the host reads the done flags once per dispatch): the draft decodes
+gamma tokens with its own KV cache, drawing each from `processed_logits` of its logits; the
+target feeds the last emitted token and the gamma draft tokens (gamma + 1 positions) through
+its cache in one forward; `speculative_core.verify` accepts a prefix and draws the next
+token; both caches roll back to the accepted length by lowering each row's `length` (slots
+at or past a row's length are hidden by the causal mask and rewritten by the next round).
+Rows accept different numbers of tokens, so every row keeps its own length, output count and
+done flag.
 
 Exactness: every emitted token follows the target's processed distribution (temperature,
 top-k, top-p, min-p; greedy when temperature is 0, where the output is token for token
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +48,7 @@ from qjax.nn import kvcache
 from qjax.nn.attention import kv_format
 from qjax.nn import validate
 from qjax.nn.generate import logits_step
+from qjax.nn.model_split import merge, split_for_decode
 from qjax.nn.transformer import Transformer
 
 _DRAFT, _ACCEPT, _FINAL = 2, 1, 3  # random streams (row_keys' `stream`)
@@ -160,10 +163,25 @@ def check_compatible(target, draft, gamma: int, target_tokenizer=None,
                        'ids; token ids would mean different text. Use the same tokenizer.')
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 4), donate_argnums=(6,))
-def _round(tgraph, tstate, dgraph, dstate, gamma, params, state):
+@functools.partial(jax.jit, static_argnums=(0, 2, 4, 7), donate_argnums=(6,))
+def _rounds(tgraph, tstate, dgraph, dstate, gamma, params, state, rounds: int):
+  """Up to `rounds` draft-verify rounds in one `lax.while_loop` (fewer once every row is
+  done); returns the new state and the rounds' stats summed."""
+  target, draft = merge(tgraph, tstate), merge(dgraph, dstate)
+  zeros = jax.eval_shape(lambda s: _round(target, draft, gamma, params, s)[1], state)
+  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zeros)
+
+  def body(c):
+    i, state, totals = c
+    state, stats = _round(target, draft, gamma, params, state)
+    return i + 1, state, jax.tree.map(jnp.add, totals, stats)
+  cond = lambda c: (c[0] < rounds) & ~jnp.all(c[1]['done_B'])
+  _, state, totals = jax.lax.while_loop(cond, body, (jnp.int32(0), state, zeros))
+  return state, totals
+
+
+def _round(target, draft, gamma, params, state):
   """One draft-verify round for every row; returns the new state and per-round stats."""
-  target, draft = nnx.merge(tgraph, tstate), nnx.merge(dgraph, dstate)
   tcache, dcache = state['tcache'], state['dcache']
   cur_B, pend_B, has_pend_B = state['cur_B'], state['pending_B'], state['has_pending_B']
   gen_B, done_B = state['gen_B'], state['done_B']
@@ -259,7 +277,7 @@ def _prefill(model, prompt_BT, cache):
 
 def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
                          gamma: int = 4, target_tokenizer=None, draft_tokenizer=None,
-                         return_state: bool = False):
+                         return_state: bool = False, rounds_per_dispatch: int = 4):
   """Sample `max_tokens` tokens from `target` with `draft` proposing `gamma` per pass.
 
   Args:
@@ -274,6 +292,9 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
     target_tokenizer, draft_tokenizer: optional; checked to map tokens to the same ids.
     return_state: also return the final state (dict: 'tcache', 'dcache', 'cur_B',
       'pending_B', 'has_pending_B', 'gen_B', 'out_BN'), e.g. to check the caches.
+    rounds_per_dispatch: rounds run on the device per dispatch (a `lax.while_loop`; it stops
+      once every row is done); the host reads the done flags and stats once per dispatch.
+      The tokens do not depend on it.
 
   Returns:
     (tokens_B(T+max_tokens), stats[, state]): prompt + output (after a row's first stop
@@ -316,11 +337,14 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
                bad_B=zeros_B(bool),
                out_BN=jnp.zeros((b, max_tokens + gamma + 1), jnp.int32),
                max_B=jnp.full((b,), max_tokens, jnp.int32), stop_BS=jnp.asarray(stop_BS))
-  tgraph, tstate = nnx.split(target)
-  dgraph, dstate = nnx.split(draft)
+  rounds_per_dispatch = validate.count(rounds_per_dispatch, 'rounds_per_dispatch',
+                                       'speculative_generate')
+  tgraph, tstate = split_for_decode(target)
+  dgraph, dstate = split_for_decode(draft)
   totals = None
-  for _ in range(max_tokens):  # every live row emits >= 1 token per round
-    state, stats = _round(tgraph, tstate, dgraph, dstate, gamma, batch, state)
+  for _ in range(-(-max_tokens // rounds_per_dispatch)):  # every live row emits >= 1 a round
+    state, stats = _rounds(tgraph, tstate, dgraph, dstate, gamma, batch, state,
+                           rounds_per_dispatch)
     stats = jax.device_get(stats)
     totals = stats if totals is None else jax.tree.map(np.add, totals, stats)
     if bool(np.all(jax.device_get(state['done_B']))):

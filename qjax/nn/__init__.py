@@ -13,7 +13,8 @@ __all__ = [
     "QWeight", "QuantPolicy", "QuantReport", "QuantRule", "RMSNorm", "Transformer",
     "TransformerConfig",
     "apply_fake_quant", "apply_rope", "attend", "attend_blockwise", "attention_mask",
-    "check_token_ids", "decode_step", "decode_steps", "einsum_layers", "greedy_generate",
+    "LoopState", "check_token_ids", "decode_loop", "decode_step", "decode_steps",
+    "einsum_layers", "greedy_generate",
     "greedy_step",
     "init_cache", "kv_format", "layer_forms", "logits_step", "online_attend", "model_report",
     "num_params", "param_count", "quantize_model", "relayout_model", "resolve_format",
@@ -23,8 +24,8 @@ __all__ = [
 from qjax.nn.attention import (Attention, attend, attend_blockwise, attention_mask, kv_format,
                                layer_forms, online_attend, set_kv_format, with_kv_format)
 from qjax.nn.config import TransformerConfig, num_params
-from qjax.nn.generate import (decode_step, decode_steps, greedy_generate, greedy_step,
-                               logits_step)
+from qjax.nn.generate import (LoopState, decode_loop, decode_step, decode_steps,
+                              greedy_generate, greedy_step, logits_step)
 from qjax.nn.kvcache import KVCache, init_cache
 from qjax.nn.einsum_quant import EinsumQuant
 from qjax.nn.layers import Einsum, Embed, QWeight, RMSNorm

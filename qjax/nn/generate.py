@@ -15,27 +15,19 @@ position's logits into whatever the caller wants (argmax for greedy; `qjax.infer
 sampler with per-row keys), inside the same compiled function. `logits_step` returns the
 logits of every fed position (a verifier scoring several tokens at once).
 
-Per-step host work is kept off the critical path (Gemma 3 270M decodes in ~40 ms a step):
-* The model is split (`nnx.split`, ~15-25 ms for Gemma's 1,455 graph nodes) once per model,
-  not per token: the split's state holds the model's own Variables, so new values assigned to
-  them reach the next step; a change of structure (a replaced Variable or submodule, a new
-  static attribute such as a KV format) is seen by a walk over the module attributes (~1 ms)
-  and the model is split again.
-* On XLA:CPU without the kernel, bf16/f16 weights run as an f32 copy made once per model
-  (`qjax.core.decode_paths.DecodeWeights`): no XLA:CPU form of a bf16 weight decodes at f32
-  speed.
-* The graphdef is a static argument; jit hashes static arguments on every call (~2-5 ms for
-  Gemma's graphdef), so it is passed in a wrapper that hashes once.
-* The overflow check needs every row's length on the host. A cache returned by these steps
-  carries its lengths on the host too (`_HOST_LENGTHS`), so the next step checks without
-  waiting for the device, and steps queue back to back; any other cache is read once.
+`decode_loop` is the library's one decode loop: a jitted `lax.while_loop` of up to
+`decode_block` (K) steps per dispatch, with the token choice (`pick`), stop tokens, per-row
+token limits and finished rows all on the device; the host reads the tokens once per block
+and dispatches the next block before it reads (jax dispatch is asynchronous), so the device
+is not idle while the host handles a block. `greedy_generate`, `decode_steps` and
+`qjax.infer.sample_generate` run on it. The host-side split of the model (once per model,
+its graphdef hashed once, bf16 widened once on XLA:CPU) is `qjax.nn.model_split`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -44,101 +36,15 @@ from jax import lax
 import numpy as np
 from flax import nnx
 
-from qjax.core.decode_paths import DecodeWeights
 from qjax.nn import kvcache
 from qjax.nn import validate
 from qjax.nn.attention import kv_format
 from qjax.nn.kvcache import KVCache
-
-
-class _Static:
-  """A graphdef as a jit static argument whose hash is computed once."""
-
-  __slots__ = ('graphdef', '_hash')
-
-  def __init__(self, graphdef):
-    self.graphdef = graphdef
-    self._hash = hash(graphdef)
-
-  def __hash__(self) -> int:
-    return self._hash
-
-  def __eq__(self, other) -> bool:
-    return self is other or (isinstance(other, _Static) and self._hash == other._hash and
-                             self.graphdef == other.graphdef)
-
-
-def _structure(node, out: list) -> list:
-  """Every module, Variable and static attribute under `node`, in a fixed order."""
-  out.append(node)
-  for value in vars(node).values():
-    if isinstance(value, nnx.Pytree):  # modules, nnx.List / nnx.Dict
-      _structure(value, out)
-    else:
-      out.append(value)
-  return out
-
-
-@dataclasses.dataclass
-class _Split:
-  static: _Static
-  state: Any
-  structure: list
-  weights: DecodeWeights
-
-  def current(self, model) -> bool:
-    now = _structure(model, [])[1:]
-    return len(now) == len(self.structure) and all(
-        a is b for a, b in zip(now, self.structure))
-
-
-_SPLITS: dict[int, tuple[weakref.ref, _Split]] = {}
-
-
-def _forget(table: dict, key: int, _ref) -> None:
-  """Weakref callback: drop `key` from `table`.
-
-  The table is bound here, not looked up as a module global: at interpreter shutdown the
-  module's globals are set to None before the last models and arrays die, and a callback
-  that then read `_SPLITS` printed "Exception ignored ... 'NoneType' object has no attribute
-  'pop'".
-  """
-  table.pop(key, None)
-
-
-def _split(model: nnx.Module) -> tuple[_Static, Any]:
-  """(graphdef wrapper, state) of `model`, split again only when its structure changed."""
-  key = id(model)
-  hit = _SPLITS.get(key)
-  if hit is not None and hit[0]() is model and hit[1].current(model):
-    return hit[1].static, hit[1].weights(hit[1].state)
-  graphdef, state = nnx.split(model)
-  # Not the model itself ([1:]): the entry must not keep it alive (it is dropped with it).
-  entry = _Split(_Static(graphdef), state, _structure(model, [])[1:], DecodeWeights(state))
-  _SPLITS[key] = (weakref.ref(model, functools.partial(_forget, _SPLITS, key)), entry)
-  return entry.static, entry.weights(entry.state)
-
-
-# id(cache.length) -> (weakref to that array, its values on the host): caches these steps
-# returned, so that the next step checks overflow without reading the device.
-_HOST_LENGTHS: dict[int, tuple[weakref.ref, np.ndarray]] = {}
-
-
-def _host_lengths(cache) -> Optional[np.ndarray]:
-  hit = _HOST_LENGTHS.get(id(cache.length))
-  if hit is not None and hit[0]() is cache.length:
-    return hit[1]
-  return None
-
-
-def _remember_lengths(cache, lengths: np.ndarray) -> None:
-  arr = cache.length
-  key = id(arr)
-  try:
-    ref = weakref.ref(arr, functools.partial(_forget, _HOST_LENGTHS, key))
-  except TypeError:  # not weak-referenceable: the next step reads the device
-    return
-  _HOST_LENGTHS[key] = (ref, lengths)
+from qjax.nn.model_split import SPLITS as _SPLITS  # noqa: F401  (tests read it)
+from qjax.nn.model_split import host_lengths as _host_lengths
+from qjax.nn.model_split import merge as _merge
+from qjax.nn.model_split import remember_lengths as _remember_lengths
+from qjax.nn.model_split import split_for_decode as _split
 
 
 def _check_and_run(model, tokens_BT, cache, run: Callable):
@@ -265,7 +171,7 @@ def argmax_or_non_finite(x_BV: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
 def _greedy_step(graphdef, state, tokens_BT, num_real, cache):
   _TRACES['greedy'] += 1
-  model = nnx.merge(getattr(graphdef, 'graphdef', graphdef), state)
+  model = _merge(graphdef, state)
   logits_BV, cache = _last_logits(model, tokens_BT, cache, num_real)
   return argmax_or_non_finite(logits_BV).astype(tokens_BT.dtype), cache
 
@@ -273,46 +179,161 @@ def _greedy_step(graphdef, state, tokens_BT, num_real, cache):
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=4)
 def _pick_step(graphdef, state, tokens_BT, num_real, cache, pick, pick_args):
   _TRACES['pick'] += 1
-  model = nnx.merge(getattr(graphdef, 'graphdef', graphdef), state)
+  model = _merge(graphdef, state)
   logits_BV, cache = _last_logits(model, tokens_BT, cache, num_real)
   return pick(logits_BV, *pick_args), cache
 
 
-def greedy_pick(logits_BV, step, carry):
-  """The greedy `decode_steps` pick: (argmax or NON_FINITE, 0, carry)."""
-  del step
+def greedy_pick(logits_BV, count_B, carry):
+  """The greedy `decode_loop` pick: (argmax or NON_FINITE, 0, carry)."""
+  del count_B
   return argmax_or_non_finite(logits_BV), jnp.zeros(logits_BV.shape[:1], jnp.float32), carry
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(3,))
-def _block_step(graphdef, state, tok_B, cache, num_steps, pick, block, carry):
-  """Up to `block` decode steps (`num_steps` of them, traced) in one `lax.fori_loop`."""
-  _TRACES['block'] += 1
-  model = nnx.merge(getattr(graphdef, 'graphdef', graphdef), state)
-  one = jnp.int32(1)
-  b = tok_B.shape[0]
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+  """What `decode_loop` carries from one dispatch to the next (a pytree on the device).
 
-  def body(i, loop):
-    tok_B, new_BL, extra_BL, cache, carry = loop
-    logits_BV, cache = _last_logits(model, tok_B[:, None], cache, one)
-    tok_B, extra_B, carry = pick(logits_BV, i, carry)
-    tok_B = tok_B.astype(new_BL.dtype)
-    return (tok_B, new_BL.at[:, i].set(tok_B), extra_BL.at[:, i].set(extra_B), cache, carry)
-  init = (tok_B, jnp.zeros((b, block), tok_B.dtype), jnp.zeros((b, block), jnp.float32),
-          cache, carry)
-  _, new_BL, extra_BL, cache, carry = lax.fori_loop(0, num_steps, body, init)
-  return new_BL, extra_BL, cache, carry
+  Attributes:
+    tok_B: int32, each row's last token (fed by the next step).
+    count_B: int32, tokens each row has generated (the output index of its next token).
+    max_B: int32, tokens each row may generate; a row stops when count_B reaches it.
+    stop_BS: int32, each row's stop tokens, padded with -1 (S >= 1); a row stops after one.
+    live_B: bool, rows still generating (a row also stops at a `NON_FINITE` token).
+    carry: the pick's pytree (sampling parameters, seen-token masks).
+  """
+
+  tok_B: jax.Array
+  count_B: jax.Array
+  max_B: jax.Array
+  stop_BS: jax.Array
+  live_B: jax.Array
+  carry: Any = ()
+
+  @classmethod
+  def start(cls, tok_B, max_B, *, count_B=None, stop_BS=None, carry=()) -> 'LoopState':
+    """The state of rows whose last token is tok_B: count 0 (or count_B), no stops (or
+    stop_BS), every row live that has a token left to generate."""
+    tok_B = jnp.asarray(tok_B, jnp.int32)
+    b = tok_B.shape[0]
+    count_B = jnp.zeros((b,), jnp.int32) if count_B is None else jnp.asarray(count_B,
+                                                                           jnp.int32)
+    max_B = jnp.broadcast_to(jnp.asarray(max_B, jnp.int32), (b,))
+    stop_BS = (jnp.full((b, 1), -1, jnp.int32) if stop_BS is None else
+               jnp.asarray(stop_BS, jnp.int32))
+    return cls(tok_B, count_B, max_B, stop_BS, (count_B < max_B) & (tok_B >= 0), carry)
+
+
+def stop_table(stop_tokens: Sequence[Sequence[int]]) -> np.ndarray:
+  """stop_BS: each row's stop tokens padded with -1 (at least one column)."""
+  s = max([len(t) for t in stop_tokens] + [1])
+  out = np.full((len(stop_tokens), s), -1, np.int32)
+  for row, toks in enumerate(stop_tokens):
+    out[row, :len(toks)] = toks
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(2,))
+def _loop_block(graphdef, state, cache, loop: LoopState, pick, block: int):
+  """Up to `block` decode steps of the live rows in one `lax.while_loop`; it ends early once
+  no row is live. Finished rows still run (fixed shapes) and repeat their last token."""
+  _TRACES['block'] += 1
+  model = _merge(graphdef, state)
+  one = jnp.int32(1)
+
+  def cond(c):
+    i, _, loop, _, _ = c
+    return (i < block) & jnp.any(loop.live_B)
+
+  def body(c):
+    i, cache, loop, new_BK, extra_BK = c
+    logits_BV, cache = _last_logits(model, loop.tok_B[:, None], cache, one)
+    tok_B, extra_B, carry = pick(logits_BV, loop.count_B, loop.carry)
+    live_B = loop.live_B
+    tok_B = jnp.where(live_B, tok_B.astype(jnp.int32), loop.tok_B)
+    count_B = loop.count_B + live_B
+    stop_B = jnp.any(tok_B[:, None] == loop.stop_BS, axis=1) | (tok_B < 0)
+    loop = dataclasses.replace(loop, tok_B=tok_B, count_B=count_B, carry=carry,
+                               live_B=live_B & ~stop_B & (count_B < loop.max_B))
+    return (i + 1, cache, loop, new_BK.at[:, i].set(tok_B), extra_BK.at[:, i].set(extra_B))
+
+  b = loop.tok_B.shape[0]
+  init = (jnp.int32(0), cache, loop, jnp.zeros((b, block), jnp.int32),
+          jnp.zeros((b, block), jnp.float32))
+  _, cache, loop, new_BK, extra_BK = lax.while_loop(cond, body, init)
+  return cache, loop, new_BK, extra_BK
+
+
+class DecodeLoop:
+  """`decode_loop`'s iterator: one `(new_BK, extra_BK, num_B)` per block; `state` and `cache`
+  hold the latest dispatch's (the last one's once iteration ends)."""
+
+  def __init__(self, model, cache, state: LoopState, pick, decode_block: int, steps: int):
+    self.pick, self.block, self.steps_left = pick, decode_block, steps
+    self.static, self.weights = _split(model)
+    self.cache, self.state = cache, state
+
+  def _dispatch(self):
+    before = self.state
+    self.cache, self.state, new_BK, extra_BK = _loop_block(
+        self.static, self.weights, self.cache, before, self.pick, self.block)
+    self.steps_left -= self.block
+    return before.count_B, self.state.count_B, self.state.live_B, new_BK, extra_BK
+
+  def __iter__(self):
+    pending = self._dispatch() if self.steps_left > 0 else None
+    while pending is not None:
+      # The next block is queued before this one is read, so the device does not wait for
+      # the host; a block queued after every row stopped early (a stop token) runs no step.
+      nxt = self._dispatch() if self.steps_left > 0 else None
+      count0_B, count_B, live_B, new_BK, extra_BK = jax.device_get(pending)
+      yield new_BK, extra_BK, count_B - count0_B
+      if not live_B.any():
+        return
+      pending = nxt
+
+
+def decode_loop(model: nnx.Module, cache: KVCache, state: LoopState, *,
+                pick: Callable[..., Any] = greedy_pick,
+                decode_block: int = 8) -> DecodeLoop:
+  """Decode the live rows of `state` until each is finished, K = `decode_block` steps per
+  dispatch; iterate it for the tokens.
+
+  Args:
+    model: a `Transformer`.
+    cache: its KV cache (donated: read the final one from the returned loop's `cache`); every
+      row must have room for the steps the longest row has left (checked here, on the host).
+    state: the rows' `LoopState` (`LoopState.start`).
+    pick: a hashable function `pick(logits_BV, count_B, carry) -> (tok_B, extra_B, carry)`
+      traced inside the loop (`count_B`: each row's output index of the token drawn);
+      `extra_B` is a float per row kept for every step (the token's log-probability, say).
+    decode_block: K, steps per dispatch (one compilation per K).
+
+  Returns:
+    A `DecodeLoop`: iterating it yields, per block, (new_BK, extra_BK, num_B) on the host:
+    row b generated new_BK[b, :num_B[b]] in that block (a finished row repeats its last
+    token). Stop tokens end a row and are kept; a `NON_FINITE` token ends it too.
+  """
+  decode_block = validate.count(decode_block, 'decode_block', 'decode_loop')
+  lengths = _host_lengths(cache)
+  if lengths is None:
+    lengths = np.asarray(cache.length)
+  count_B, max_B, live_B = jax.device_get((state.count_B, state.max_B, state.live_B))
+  steps = int(np.max(np.where(live_B, max_B - count_B, 0), initial=0))
+  kvcache.check_fits(dataclasses.replace(cache, length=lengths), steps)
+  return DecodeLoop(model, cache, state, pick, decode_block, steps)
 
 
 def decode_steps(model: nnx.Module, tok_B: jax.Array, cache: KVCache, num_steps: int,
                  pick: Callable[..., Any] = greedy_pick, carry: Any = (), *,
                  block: Optional[int] = None):
-  """`num_steps` decode steps in one dispatch: the loop runs on the device.
+  """`num_steps` decode steps in one dispatch of `decode_loop`: the loop runs on the device.
 
   A Python loop over `greedy_step` pays the host's per-step work (dispatch, argument
   handling) on every token; on an NVIDIA H200 that was half of a Llama-3.2-1B bf16 step at
-  batch 1 (docs/accelerators.md). Here one jitted `lax.fori_loop` feeds each step's token
-  to the next, and the host sees the tokens once, at the end.
+  batch 1 (docs/accelerators.md). Here the steps run in one jitted `lax.while_loop`, and the
+  host sees the tokens once, at the end.
 
   Args:
     model: a `Transformer`.
@@ -320,15 +341,14 @@ def decode_steps(model: nnx.Module, tok_B: jax.Array, cache: KVCache, num_steps:
     cache: the KV cache (donated: use the returned one); every row must have room for
       `num_steps` more positions (checked here, one read of the lengths).
     num_steps: steps to run (>= 1).
-    pick: a hashable function `pick(logits_BV, step, carry) -> (tok_B, extra_B, carry)`
-      traced inside the loop (`step` counts from 0 within this call); `extra_B` is a float
-      per row kept for every step (the sampled token's log-probability, say).
+    pick: as `decode_loop`'s (`count_B` counts from 0 within this call).
     carry: a pytree threaded through `pick` (sampling parameters, seen-token masks).
     block: the loop's buffer length (>= num_steps; default the next power of two), so that
       calls with 5, 6 or 7 steps share one compilation.
 
   Returns:
-    (new_BL, extra_BL, cache, carry): the L = num_steps tokens and extras of every row.
+    (new_BL, extra_BL, cache, carry): the L = num_steps tokens and extras of every row (a row
+    that met a `NON_FINITE` token repeats it).
   """
   num_steps = validate.count(num_steps, 'num_steps', 'decode_steps')
   block = bucket_length(num_steps) if block is None else block
@@ -342,16 +362,19 @@ def decode_steps(model: nnx.Module, tok_B: jax.Array, cache: KVCache, num_steps:
     lengths = np.asarray(cache.length)
   kvcache.check_fits(dataclasses.replace(cache, length=lengths), num_steps)
   graphdef, state = _split(model)
-  new_BL, extra_BL, cache, carry = _block_step(graphdef, state, jnp.asarray(tok_B), cache,
-                                               np.int32(num_steps), pick, block, carry)
-  _remember_lengths(cache, lengths + num_steps)
-  return new_BL[:, :num_steps], extra_BL[:, :num_steps], cache, carry
+  tok_B = jnp.asarray(tok_B, jnp.int32)
+  loop = LoopState(tok_B, jnp.zeros(tok_B.shape, jnp.int32),
+                   jnp.full(tok_B.shape, num_steps, jnp.int32),
+                   jnp.full(tok_B.shape + (1,), -1, jnp.int32), tok_B >= 0, carry)
+  # (No host copy of the lengths: a row that met NON_FINITE may stop the loop early.)
+  cache, loop, new_BL, extra_BL = _loop_block(graphdef, state, cache, loop, pick, block)
+  return new_BL[:, :num_steps], extra_BL[:, :num_steps], cache, loop.carry
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
 def _logits_step(graphdef, state, tokens_BT, num_real, cache):
   _TRACES['logits'] += 1
-  model = nnx.merge(getattr(graphdef, 'graphdef', graphdef), state)
+  model = _merge(graphdef, state)
   positions_BT = _fed_positions(cache, tokens_BT.shape[1], num_real)
   x_BTD, cache = model.blocks(model.embed_tokens(tokens_BT), positions_BT, cache)
   ok_B = validate.ids_in_range(tokens_BT, model.config.vocab_size, num_real)
@@ -437,8 +460,28 @@ def greedy_step(model: nnx.Module, tokens_BT: jax.Array, cache: KVCache, *,
                      lambda g, s, x, n: _greedy_step(g, s, x, n, cache))
 
 
+def collect(loop: DecodeLoop, num: int) -> tuple[np.ndarray, np.ndarray]:
+  """(new_BN, extra_BN): the first `num` tokens and extras `loop` generates per row, on the
+  host; a row that stopped early repeats its last token (extra 0) to width N."""
+  b = loop.state.tok_B.shape[0]
+  toks, extras = [np.zeros((b, 0), np.int32)], [np.zeros((b, 0), np.float32)]
+  for new_BK, extra_BK, num_B in loop:
+    k = int(np.max(num_B, initial=0))  # finished rows repeat their last token up to k
+    toks.append(new_BK[:, :k])
+    extras.append(extra_BK[:, :k])
+  new_BN = np.concatenate(toks, axis=1)[:, :num]
+  extra_BN = np.concatenate(extras, axis=1)[:, :num]
+  short = num - new_BN.shape[1]
+  if short:  # every row stopped early (or none had a token to generate)
+    last_B1 = np.asarray(loop.state.tok_B)[:, None]
+    new_BN = np.concatenate([new_BN, np.repeat(last_B1, short, axis=1)], axis=1)
+    extra_BN = np.concatenate([extra_BN, np.zeros((b, short), np.float32)], axis=1)
+  return new_BN, extra_BN
+
+
 def greedy_generate(model: nnx.Module, prompt_BT: jax.Array, num_steps: int, *,
-                    buckets: Optional[Sequence[int]] = None) -> jax.Array:
+                    buckets: Optional[Sequence[int]] = None,
+                    decode_block: Optional[int] = None) -> jax.Array:
   """Greedy continuation of `prompt_BT` by `num_steps` tokens.
 
   Args:
@@ -448,6 +491,8 @@ def greedy_generate(model: nnx.Module, prompt_BT: jax.Array, num_steps: int, *,
     buckets: the prompt is padded to `bucket_length(T, buckets)` and the cache sized to
       `bucket_length(T + num_steps, buckets)` (at most config.max_len), so that prefill and
       decode compile once per bucket: None = powers of two, a list, () = exact sizes.
+    decode_block: decode steps per dispatch of `decode_loop`; None: all of them in one
+      (padded to a power of two, so nearby lengths share a compilation).
 
   Returns:
     tokens of shape (B, T + num_steps): the prompt followed by the generated tokens.
@@ -471,15 +516,17 @@ def greedy_generate(model: nnx.Module, prompt_BT: jax.Array, num_steps: int, *,
   buckets = _check_buckets(buckets, 'greedy_generate')
   size = min(cfg.max_len, max(t + num_steps, bucket_length(t + num_steps, buckets)))
   cache = kvcache.init_cache(cfg, b, size, fmt=kv_format(model))
-  graphdef, state = _split(model)  # the sizes above make every step fit: no further checks
+  graphdef, state = _split(model)
   width = min(size, max(t, bucket_length(t, buckets)))
   tok_B, cache = _greedy_step(graphdef, state, _pad_tokens(prompt_BT, width), np.int32(t),
                               cache)
-  out = [prompt_BT, tok_B[:, None]]
-  if num_steps > 1:  # the rest in one dispatch, the loop on the device
-    new_BL, _, cache, _ = _block_step(graphdef, state, tok_B, cache, np.int32(num_steps - 1),
-                                      greedy_pick, bucket_length(num_steps - 1), ())
-    out.append(new_BL[:, :num_steps - 1])
-  out = jnp.concatenate(out, axis=1)
+  out = [np.asarray(prompt_BT), np.asarray(tok_B)[:, None]]
+  if num_steps > 1:  # the rest on the device, `decode_block` steps per dispatch
+    _remember_lengths(cache, np.full((b,), t, np.int32))  # the sizes above make it fit
+    block = bucket_length(num_steps - 1) if decode_block is None else decode_block
+    loop = decode_loop(model, cache, LoopState.start(tok_B, num_steps, count_B=np.ones(b)),
+                       decode_block=block)
+    out.append(collect(loop, num_steps - 1)[0])
+  out = np.concatenate(out, axis=1).astype(np.int32)
   validate.raise_non_finite(out, 'greedy_generate', start=t)
-  return out
+  return jnp.asarray(out)

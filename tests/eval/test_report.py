@@ -5,7 +5,7 @@ closed, so a long sweep does not accumulate open figures)."""
 import pathlib
 
 from qjax.eval import report
-from qjax.infer import serving
+from qjax.pipeline import serving
 
 PNG = b'\x89PNG\r\n\x1a\n'
 

@@ -18,6 +18,26 @@ def test_block_hashes_identify_whole_prefixes():
   assert block_hashes([0, 2, 3, 4, 5, 6, 7, 8], 4)[1] != a[1]  # page 1 depends on page 0
 
 
+def test_each_page_is_hashed_once_however_many_chunks_feed_it(monkeypatch):
+  """A 64-token prompt fed in chunks of 8 on pages of 4: 16 pages hashed once each when
+  inserted (re-hashing the prefix every chunk would be 2 + 4 + ... + 16 = 72)."""
+  from qjax.infer import Scheduler, SequenceState, prefix_cache
+  calls = []
+  real = prefix_cache.hashlib.sha256
+  monkeypatch.setattr(prefix_cache.hashlib, 'sha256', lambda b: calls.append(1) or real(b))
+  alloc = PageAllocator(40)
+  s = Scheduler(max_batch=1, chunk_size=8, page_size=4, max_pages=20, max_len=80,
+                allocator=alloc, prefix_cache=PrefixCache(alloc, 4))
+  seq = SequenceState('a', list(range(100, 164)), 2)
+  s.add(seq)
+  while not seq.output:
+    s.complete(s.schedule(), [7], lambda q: False)
+  matched = 15  # admission looks up the prompt's pages but the last position's
+  assert len(calls) == matched + 16
+  assert seq.page_hashes == block_hashes(seq.prompt, 4)
+  assert block_hashes(seq.prompt, 4, seq.page_hashes[:5]) == seq.page_hashes
+
+
 def test_match_shares_pages_and_eviction_is_lru_of_unheld_pages():
   alloc = PageAllocator(8)
   cache = PrefixCache(alloc, 2)

@@ -95,3 +95,20 @@ def test_swap_preemption_saves_the_cached_pages_and_resumes_without_recompute():
   assert len(first.output) == len(second.output) == 12 and s.allocator.num_free == 6
   with pytest.raises(ValueError, match="preemption='swap' needs swap_out= and swap_in="):
     _scheduler(preemption='swap')
+
+
+def test_reserve_all_takes_pages_ahead_without_preempting():
+  """Pages for K decode positions ahead (at most what max_tokens leaves); a pool that cannot
+  give them all refuses, taking none and preempting nobody."""
+  s = _scheduler(num_pages=6)  # 5 usable pages of 4
+  a, b = SequenceState('a', [1, 2, 3], 6), SequenceState('b', [4, 5, 6], 15)
+  s.add(a)
+  s.add(b)
+  _run_step(s)  # both prefilled (3 positions: one page each), one token each
+  assert s.reserve_all(4)  # a: 3 + min(4, 5) = 7 positions, 2 pages; b: 7, 2 pages
+  assert (len(a.pages), len(b.pages)) == (2, 2)
+  assert s.reserve_all(5)  # a: 3 + min(5, 5) = 8, still 2 pages; b: 8, 2 pages
+  assert s.allocator.num_free == 1
+  assert not s.reserve_all(13)  # b would need 3 + 13 = 16 positions: 2 more pages, 1 free
+  assert s.preemptions == 0 and s.running == [a, b]
+  assert len(b.pages) == 2 and s.allocator.num_free == 1

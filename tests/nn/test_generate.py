@@ -111,17 +111,17 @@ _SHUTDOWN_SCRIPT = '''
 import gc
 import jax.numpy as jnp
 from flax import nnx
-from qjax.nn import Transformer, TransformerConfig, generate, greedy_step, init_cache
+from qjax.nn import Transformer, TransformerConfig, greedy_step, init_cache, model_split
 model = Transformer(TransformerConfig.tiny(num_layers=1), rngs=nnx.Rngs(0))
 tok, cache = greedy_step(model, jnp.zeros((1, 3), jnp.int32), init_cache(model.config, 1, 8))
 # What interpreter shutdown does: the module's globals become None while the tables (held
 # here, as a dying model's state can hold them) are still alive; then the model dies.
 shape = tok.shape
-tables = [v for k, v in vars(generate).items()  # the id-keyed weakref tables
+tables = [v for k, v in vars(model_split).items()  # the id-keyed weakref tables
           if isinstance(v, dict) and v and k[:2] != '__' and all(type(i) is int for i in v)]
-for name in list(vars(generate)):
+for name in list(vars(model_split)):
   if not name.startswith('__'):
-    setattr(generate, name, None)
+    setattr(model_split, name, None)
 del model, tok, cache
 gc.collect()
 print(shape, 'tables', len(tables), 'left', sum(len(t) for t in tables))

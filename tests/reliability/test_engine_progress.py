@@ -47,8 +47,10 @@ def test_two_requests_under_memory_pressure_finish(preemption):
   # Prompts of 20 and 15 tokens need 7 and 6 pages of 4 of a 9-page pool: under recompute
   # preemption they used to evict each other forever (293 preemptions in 300 steps, no token).
   prompts = [tuple(range(1, 21)), tuple(range(30, 45))]
+  # One step per dispatch: decode blocks finish these two with fewer preemptions (none under
+  # swap), and the case is here to exercise preemption.
   config = EngineConfig(max_batch=2, page_size=4, num_pages=10, chunk_size=8,
-                        preemption=preemption)
+                        preemption=preemption, decode_block=1)
   outputs, engine = _serve(config, [(p, MAX_TOKENS) for p in prompts])
   assert outputs == [_greedy(p) for p in prompts]
   assert engine.stats.preemptions >= 1  # the case does exercise preemption

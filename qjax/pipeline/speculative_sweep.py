@@ -47,8 +47,7 @@ from flax import nnx
 from qjax import eval as qeval
 from qjax.core import int_format
 from qjax.eval.report import pyplot, save_figure
-from qjax.infer import draft as qdraft
-from qjax.infer import speculative_core
+from qjax.pipeline import draft as qdraft
 from qjax.infer.sampling import SamplingBatch, SamplingParams, processed_logits, sample_generate
 from qjax.infer.speculative import layer_skip_draft, speculative_generate
 from qjax.nn import QuantPolicy, QuantRule, quantize_model, with_kv_format
@@ -102,7 +101,7 @@ def make_draft(target, name: str, calib_tokens=None, head_tokens=None,
     if not os.path.exists(path):
       raise ValueError(f'make_draft: {name!r} needs a distilled draft at {path}; make it with '
                        f'`python -m benchmarks.speculative_bench --mode=drafts '
-                       f'--skip={skip}` (qjax.infer.draft.distill_layer_skip) or set '
+                       f'--skip={skip}` (qjax.pipeline.draft.distill_layer_skip) or set '
                        'distilled_dir.')
     draft = qdraft.load_distilled(target, path)
   elif skip:
@@ -160,7 +159,7 @@ def step_seconds(model, prompts_BT, repeats: int = 5, num_tokens: int = 1) -> fl
   feed_BT = jnp.repeat(prompts_BT[:, -1:], num_tokens, axis=1)
   length_B = np.asarray(cache.length)  # host copy: the cache (its length too) is donated
   times = []
-  for i in range(repeats + 1):  # the first call compiles
+  for _ in range(repeats + 1):  # the first call compiles
     t0 = time.perf_counter()
     logits, cache = logits_step(model, feed_BT, cache)
     jax.block_until_ready(logits)

@@ -1,6 +1,5 @@
 """Cheaper drafts: the truncated-vocabulary head (exact output) and the distilled layer skip."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,8 +9,8 @@ from scipy import stats
 from qjax import data
 from qjax.infer import (SamplingBatch, SamplingParams, layer_skip_draft, processed_logits,
                         speculative_generate)
-from qjax.infer import draft as qdraft
-from qjax.infer import speculative_sweep
+from qjax.pipeline import draft as qdraft
+from qjax.pipeline import speculative_sweep
 from qjax.nn import Transformer, TransformerConfig, greedy_generate
 
 _forward = nnx.jit(lambda model, tokens_BT: model(tokens_BT))

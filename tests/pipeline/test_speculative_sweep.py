@@ -2,7 +2,7 @@
 
 from configs import speculative_gemma3
 from qjax import eval as qeval
-from qjax.infer import speculative_sweep
+from qjax.pipeline import speculative_sweep
 
 
 def test_tiny_sweep_rows_failures_and_resume(tmp_path):

@@ -1,6 +1,6 @@
 """Cheaper drafts for speculative decoding: a truncated-vocabulary head and a distilled layer skip.
 
-    from qjax.infer import draft as qdraft
+    from qjax.pipeline import draft as qdraft
     ids = qdraft.frequent_tokens(train_ids, 8192, always=(bos, eos))
     d = qdraft.truncated_head_draft(qdraft_base, ids)      # logits over 8192 tokens only
     d, log = qdraft.distill_layer_skip(target, 6, train_ids, steps=200)

@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from qjax.core import QArray
-from qjax.infer import speculative_generate, speculative_sweep
+from qjax.infer import speculative_generate
+from qjax.pipeline import speculative_sweep
 from qjax.nn import Transformer, TransformerConfig, greedy_generate
 
 

@@ -28,8 +28,7 @@ import numpy as np
 from qjax.eval.report import pyplot, save_figure
 from qjax.infer import paged
 from qjax.infer.engine import Engine, EngineConfig
-from qjax.infer.sampling import SamplingParams
-from qjax.infer.trace import TraceRequest, replay
+from qjax.pipeline.trace import TraceRequest, replay
 
 COLUMNS = (('variant', 'variant'), ('max_batch', 'B'), ('num_pages', 'pages'),
            ('cache_mib', 'cache MiB'), ('fits', 'longest requests that fit'),

@@ -9,12 +9,14 @@ test can run them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence
 
 import numpy as np
 
 from qjax.infer.engine import Engine
+from qjax.infer.engine_config import EngineStats
 from qjax.infer.sampling import SamplingParams
 
 
@@ -55,9 +57,12 @@ def serve(engine: Engine, prompts: Sequence[Sequence[int]],
   """Run the workload to completion; measured numbers of this run (wall clock included).
 
   Returns:
-    dict: requests, generated tokens, seconds, tokens_per_s, steps, prefill_tokens,
-    prefix_hit_tokens, preemptions, compilations, paged_waste, contiguous_waste.
+    dict: requests, generated tokens, seconds, tokens_per_s, steps, dispatches,
+    prefill_tokens, prefix_hit_tokens, preemptions, compilations, paged_waste,
+    contiguous_waste, and this run's host / dispatch / device-wait ms per step and host
+    share (`EngineStats.timing`).
   """
+  st0 = dataclasses.replace(engine.stats)
   before = engine.stats.steps
   t0 = time.perf_counter()
   outs = engine.generate(list(prompts), list(params))
@@ -69,4 +74,13 @@ def serve(engine: Engine, prompts: Sequence[Sequence[int]],
               prefill_tokens=st.prefill_tokens, prefix_hit_tokens=st.prefix_hit_tokens,
               preemptions=st.preemptions, compilations=st.compilations,
               paged_waste=round(st.paged_waste, 4),
-              contiguous_waste=round(st.contiguous_waste, 4))
+              contiguous_waste=round(st.contiguous_waste, 4), **run_timing(st0, st))
+
+
+def run_timing(before: EngineStats, after: EngineStats) -> dict:
+  """`EngineStats.timing` of the steps between two snapshots of one engine's stats."""
+  delta = EngineStats(**{f: getattr(after, f) - getattr(before, f)
+                         for f in ('steps', 'dispatches', 'host_s', 'dispatch_s', 'wait_s',
+                                   'compile_s')})
+  return {k: round(v, 4) if isinstance(v, float) else v for k, v in delta.timing().items()
+          if k != 'steps'}

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qjax.infer import Engine, EngineConfig, SamplingParams, serving
-from qjax.infer import trace as tr
+from qjax.infer import Engine, EngineConfig, SamplingParams
+from qjax.pipeline import serving
+from qjax.pipeline import trace as tr
 from qjax.nn import Transformer, TransformerConfig
 
 CFG = TransformerConfig.tiny(max_len=64, sliding_window=8, global_every=2)
@@ -110,7 +111,8 @@ def test_replays_continuous_static_and_prefix_caching_side_by_side():
   for row in rows.values():
     assert row['tokens'] == sum(r.max_tokens for r in trace) and row['compilations'] == 0
     assert 0 <= row['ttft_p50'] <= row['ttft_p90'] <= row['ttft_p99']
-    assert row['itl_p50'] > 0 and row['peak_running'] <= 3
+    # A block of decode steps returns its tokens together: within it the gaps are 0.
+    assert row['itl_p99'] > 0 and row['peak_running'] <= 3
   ratios = serving.ratios(list(rows.values()))
   assert ratios['outputs identical with prefix caching'] is True
   assert ratios['steps static / continuous'] == static['steps'] / cont['steps'] > 1
