@@ -31,7 +31,7 @@ CHECK_S=${CHECK_S:-240}
 WORKERS=${WORKERS:-14}
 PY=${PYTHON:-python3}
 TESTS=${TESTS:-"tests/checkpoints tests/train tests/algorithms tests/integration \
-tests/reliability tests/kernels tests/benchmarks tests/core tests/nn tests/infer tests/eval \
+tests/reliability tests/kernels tests/pipeline tests/benchmarks tests/core tests/nn tests/infer tests/eval \
 tests/sharding tests/costmodel tests/data tests/test_backends.py"}
 
 run() {

@@ -195,6 +195,7 @@ class Attention(nnx.Module):
     else:
       self.q_bias = self.k_bias = self.v_bias = None
     self.layer = layer
+    self.head_dim = h  # the projections may be wrapped (LoRA) and so lack weight_shape
     self.window = cfg.window(layer)
     self.rope_base, self.rope_scaling = cfg.rope_for(layer)
     self.scale_q = cfg.scale_q
@@ -266,7 +267,7 @@ class Attention(nnx.Module):
   def form(self, t: int, dtype) -> attention_forms.Form:
     """The form a call of T queries runs on this platform (`attention_forms.choose_form`)."""
     return attention_forms.choose_form(self.impl, t=t, dtype=dtype,
-                                       head_dim=self.k_proj.weight_shape[-1],
+                                       head_dim=self.head_dim,
                                        logit_softcap=self.logit_softcap)
 
 

@@ -1,4 +1,4 @@
-"""`qjax.infer` is the runtime: its modules import only `qjax.core`, `qjax.nn`,
+"""`qjax.infer` is the runtime: its modules import only `qjax.core`, `qjax.kernels`, `qjax.nn`,
 `qjax.sharding` and `qjax.infer` (harnesses live in `qjax.pipeline`)."""
 
 import ast
@@ -6,7 +6,7 @@ import pathlib
 
 import qjax.infer
 
-ALLOWED = ('qjax.core', 'qjax.nn', 'qjax.sharding', 'qjax.infer')
+ALLOWED = ('qjax.core', 'qjax.kernels', 'qjax.nn', 'qjax.sharding', 'qjax.infer')
 
 
 def _qjax_imports(path: pathlib.Path) -> set[str]:
