@@ -130,6 +130,18 @@ def full_optimization():
                     os.environ['JAX_DISABLE_MOST_OPTIMIZATIONS'].lower() in ('1', 'true'))
 
 
+@pytest.fixture
+def abstract_gpu():
+  """An abstract NVIDIA GPU for lowering to Triton on a machine without one: Pallas' Triton
+  lowering reads the target GPU from the device (jax >= 0.12: from an abstract mesh's device
+  when none is attached)."""
+  gpu = jax.sharding.AbstractDevice(device_kind='NVIDIA H100 80GB HBM3', num_cores=None,
+                                    platform='cuda')
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ('x',),
+                                                                abstract_device=gpu)):
+    yield gpu
+
+
 @pytest.fixture(scope='session')
 def repo_root():
   import pathlib  # pylint: disable=g-import-not-at-top

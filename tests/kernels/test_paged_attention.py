@@ -87,7 +87,7 @@ def test_kernel_matches_float64_reference(backend, kind, p, heads, ring, window,
 @pytest.mark.parametrize('backend,platform,target', [('triton', 'cuda', 'triton'),
                                                      ('mosaic', 'tpu', 'tpu_custom_call')])
 @pytest.mark.parametrize('kind', ['int8', 'int4'])
-def test_kernel_lowers_for_its_accelerator(backend, platform, target, kind):
+def test_kernel_lowers_for_its_accelerator(backend, platform, target, kind, abstract_gpu):
   """Pallas lowers each schedule to Triton / Mosaic on a CPU-only install (no compile)."""
   hs = 32 if kind == 'int4' else 64
   dt = jnp.uint8 if kind == 'int4' else jnp.int8
@@ -100,14 +100,8 @@ def test_kernel_lowers_for_its_accelerator(backend, platform, target, kind):
   args = (jax.ShapeDtypeStruct((4, 32, 64), jnp.bfloat16), pool, pool,
           jax.ShapeDtypeStruct((4, 8), jnp.int32), rows, rows, scales, scales)
   unchecked = [jax.export.DisabledSafetyCheck.custom_call('__gpu$xla.gpu.triton')]
-  # Triton lowering reads the target GPU from the device (jax >= 0.12: from an abstract mesh's
-  # device when none is attached).
-  gpu = jax.sharding.AbstractDevice(device_kind='NVIDIA H100 80GB HBM3', num_cores=None,
-                                    platform='cuda')
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ('x',),
-                                                                abstract_device=gpu)):
-    text = jax.export.export(jax.jit(f), platforms=[platform],
-                             disabled_checks=unchecked)(*args).mlir_module()
+  text = jax.export.export(jax.jit(f), platforms=[platform],
+                           disabled_checks=unchecked)(*args).mlir_module()
   assert target in text
 
 

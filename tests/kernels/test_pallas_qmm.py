@@ -84,7 +84,7 @@ def test_what_the_kernel_does_not_take_raises_or_takes_the_auto_path():
 
 
 @pytest.mark.parametrize('bits', [8, 4])
-def test_lowers_to_triton_for_a_gpu_without_one(bits):
+def test_lowers_to_triton_for_a_gpu_without_one(bits, abstract_gpu):
   """The kernel's GPU lowering (Pallas -> Triton IR in an XLA custom call), checked by
   `jax.export` for platform 'cuda' on any machine; PTX compilation happens on the device."""
   x = jax.ShapeDtypeStruct((16, 256), jnp.bfloat16)
