@@ -27,12 +27,15 @@ row, most of it loading and compiling). The full protocol on 2 idle cores (estim
 those times, not measured idle): ~15 min for every row, so run it as two halves of ~8-11 min
 that share qjax-f32 for the ratios:
 
-    --rows=qjax-f32,qjax-bf16,qjax-int8,qjax-int8-headf,qjax-int4,qjax-int4-headf --out=results/peers_a
-    --rows=qjax-f32,qjax-w8a8,qwix-int8-headf,qwix-int4-headf,hf-fp32,hf-bf16 --out=results/peers_b
+    --rows=qjax-f32,qjax-bf16,qjax-int8,qjax-int8-headf,qjax-int4,qjax-int4-headf \
+      --out=results/peers_a
+    --rows=qjax-f32,qjax-w8a8,qwix-int8-headf,qwix-int4-headf,hf-fp32,hf-bf16 \
+      --out=results/peers_b
 
 The README's latest idle run (8 rows, one invocation):
 
-    --rows=qjax-f32,qjax-bf16,qjax-int8,qjax-int4,qjax-w8a8,qjax-w4a8,hf-fp32,hf-bf16 --out=results/peers_final
+    --rows=qjax-f32,qjax-bf16,qjax-int8,qjax-int4,qjax-w8a8,qjax-w4a8,hf-fp32,hf-bf16 \
+      --out=results/peers_final
 
 Timing needs an idle machine: the script prints the load average before and after each row;
 compare rows only within one run.
@@ -75,7 +78,8 @@ def _peak_rss_mib() -> float:
 
 
 def _inputs(tok, cfg, a):
-  """(prefill ids, 8 decode prompts, ppl windows): the corpora, or random ids without a tokenizer."""
+  """(prefill ids, 8 decode prompts, ppl windows): the corpora, or random ids without a
+  tokenizer."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   if tok is None:
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, a.prefill + 8 * a.prompt)
@@ -202,7 +206,6 @@ def _run_qwix(row: str, a) -> dict:
   import functools  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from qjax import eval as qeval  # pylint: disable=g-import-not-at-top
   from qjax.checkpoints import load_gemma3_270m  # pylint: disable=g-import-not-at-top
@@ -338,12 +341,8 @@ def _importable(name: str) -> bool:
 
 
 def _hf_importable() -> bool:
-  try:
-    import torch  # pylint: disable=g-import-not-at-top,unused-import
-    import transformers  # pylint: disable=g-import-not-at-top,unused-import
-    return True
-  except ImportError:
-    return False
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  return all(importlib.util.find_spec(m) is not None for m in ('torch', 'transformers'))
 
 
 def _table(results: list[dict]) -> str:

@@ -89,7 +89,8 @@ def _reason(rejected, layout) -> str:
 def phase_table(cfg, phase: str, workload: costmodel.Workload) -> str:
   """One row per layout (its best mesh); layouts with identical numbers share a row."""
   layouts = _layouts(cfg)
-  head = (f'== {phase}: {_model(cfg).name} on {cfg.n_chips} x {_chip(cfg).name}, batch {workload.batch}, '
+  head = (f'== {phase}: {_model(cfg).name} on {cfg.n_chips} x {_chip(cfg).name}, '
+          f'batch {workload.batch}, '
           f'prompt {workload.prompt_len}, generate {workload.gen_len}, bits w/a/kv '
           f'{workload.weight_bits:g}/{workload.act_bits:g}/{workload.kv_bits:g} '
           f'(times per step; total = steps x step) ==')
