@@ -36,6 +36,7 @@ from qjax.core.numerics import scale_shape
 from qjax.eval import process
 from qjax.nn import (QuantPolicy, Transformer, TransformerConfig, einsum_layers, init_cache,
                      kv_format, quantize_model, resolve_format, with_kv_format)
+from qjax.nn import attention_forms
 from qjax.nn.kvcache import DEFAULT_RING_SLACK, check_format
 
 GiB = 2 ** 30
@@ -138,13 +139,15 @@ def kv_bytes(cfg: TransformerConfig, batch: int, context: int,
   return total + 4 * batch
 
 
-def activation_bytes(cfg: TransformerConfig, batch: int, tokens: int, context: int) -> int:
+def activation_bytes(cfg: TransformerConfig, batch: int, tokens: int, context: int,
+                     on: Optional[str] = None) -> int:
   """Estimated peak live activations of one step of `tokens` new tokens per row (f32 logits).
 
   The step's largest simultaneous buffers: the float32 logits of every fed position
   (B * T * V), the MLP's gate and up outputs (2 * B * T * F), a few residual-stream copies
-  (4 * B * T * D), the queries and new keys/values (B * T * (N + 2K) * H) and, for the dense
-  attention path, one layer's scores (B * N * T * S). In the compute dtype, logits float32.
+  (4 * B * T * D), the queries and new keys/values (B * T * (N + 2K) * H) and one layer's
+  attention scores as the form chosen on platform `on` (default: this process's) holds them
+  (`attention_scores_bytes`). In the compute dtype, logits float32.
   """
   c = jnp.dtype(cfg.dtype).itemsize
   b, t = batch, tokens
@@ -152,10 +155,21 @@ def activation_bytes(cfg: TransformerConfig, batch: int, tokens: int, context: i
   mlp = 2 * b * t * cfg.d_ff * c
   resid = 4 * b * t * cfg.d_model * c
   qkv = b * t * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * c
-  scores = b * cfg.num_heads * t * min(context, cfg.max_len) * 4
-  if cfg.attention_impl == 'blockwise' and t > 1:
-    scores = b * cfg.num_heads * t * min(context, cfg.attention_block) * 4
-  return logits + mlp + resid + qkv + scores
+  return logits + mlp + resid + qkv + attention_scores_bytes(cfg, b, t, context, on)
+
+
+def attention_scores_bytes(cfg: TransformerConfig, batch: int, tokens: int, context: int,
+                           on: Optional[str] = None) -> int:
+  """One layer's live f32 attention scores for T queries over S keys, by the form
+  `attention_forms.choose_form` picks on platform `on`: dense forms (and XLA's
+  dot_product_attention) hold B * N * T * S, the blockwise scan one block of keys, a fused
+  kernel (cuDNN flash, splash) only each query row's softmax statistics."""
+  s = min(context, cfg.max_len)
+  form = attention_forms.choose_form(cfg.attention_impl, t=tokens, dtype=cfg.dtype,
+                                     head_dim=cfg.head_dim,
+                                     logit_softcap=cfg.attn_logit_softcap, on=on).name
+  keys = {'dense': s, 'sdpa_xla': s, 'blockwise': min(s, cfg.attention_block)}.get(form, 1)
+  return batch * cfg.num_heads * tokens * keys * 4
 
 
 # ---------------------------------------------------------------------------- planner
@@ -181,7 +195,7 @@ class Prediction:
 
 def predict(cfg: TransformerConfig, policy: Optional[QuantPolicy] = None, *, batch: int,
             context: int, prompt: Optional[int] = None, kv: Optional[QFormat | str] = None,
-            formats=None, compiled: bool = False) -> Prediction:
+            formats=None, compiled: bool = False, on: Optional[str] = None) -> Prediction:
   """Predicted memory of serving `batch` sequences of `context` tokens (prompt `prompt`).
 
   Args:
@@ -193,6 +207,8 @@ def predict(cfg: TransformerConfig, policy: Optional[QuantPolicy] = None, *, bat
     compiled: activations from XLA's memory analysis of the prefill and decode steps compiled
       from shapes alone (`compiled_step_bytes`; needs `policy`, not `formats`), instead of
       the estimate.
+    on: the platform the estimate is for ('cpu', 'nvidia', 'tpu'; default this process's):
+      it decides the attention form of the prefill (`attention_scores_bytes`).
 
   Returns:
     A `Prediction`.
@@ -209,9 +225,9 @@ def predict(cfg: TransformerConfig, policy: Optional[QuantPolicy] = None, *, bat
                                                  context=context, kv=kv))
             for t in (prompt, 1)]
     return Prediction(weights, kv_b, *acts)
-  return Prediction(weights, kv_b, activation_bytes(cfg, batch, prompt, context),
-                    activation_bytes(cfg, batch, 1, context) + decode_cache_copy(cfg, batch,
-                                                                                 kv_b))
+  return Prediction(weights, kv_b, activation_bytes(cfg, batch, prompt, context, on),
+                    activation_bytes(cfg, batch, 1, context, on) + decode_cache_copy(cfg, batch,
+                                                                                     kv_b))
 
 
 def decode_cache_copy(cfg: TransformerConfig, batch: int, kv: int) -> int:

@@ -1,5 +1,7 @@
 """qjax.eval.memory: the planner's predictions against the device bytes of built models."""
 
+import dataclasses
+
 import jax
 import pytest
 from flax import nnx
@@ -122,3 +124,22 @@ def test_device_memory_is_none_on_cpu_and_a_dict_on_an_accelerator():
   else:  # GPU / TPU keep statistics: bytes in use, the running peak, the limit
     assert stats['in_use'] > 0 and stats['peak'] >= stats['in_use'], stats
   assert process.device_memory(jax.devices('cpu')[0]) is None
+
+
+def test_prefill_scores_follow_the_attention_form_of_the_platform():
+  """'auto' is dense on CPU (T x S scores) and a fused kernel on NVIDIA (bf16) and TPU (no
+  scores held); a decode step and an explicit 'dense' are the same everywhere."""
+  cfg = dataclasses.replace(CFG, dtype='bfloat16')
+  b, t, s = 2, 48, 64
+  est = {on: memory.activation_bytes(cfg, b, t, s, on=on) for on in ('cpu', 'nvidia', 'tpu')}
+  assert est['cpu'] - est['nvidia'] == b * cfg.num_heads * t * (s - 1) * 4
+  assert est['nvidia'] == est['tpu']
+  dense = dataclasses.replace(cfg, attention_impl='dense')
+  assert len({memory.activation_bytes(dense, b, t, s, on=on) for on in est}) == 1
+  assert len({memory.activation_bytes(cfg, b, 1, s, on=on) for on in est}) == 1
+  # f32 queries on NVIDIA: cuDNN cannot take them; a short prompt runs dense.
+  assert memory.activation_bytes(CFG, b, t, s, on='nvidia') == memory.activation_bytes(
+      CFG, b, t, s, on='cpu')
+  pred = {on: memory.predict(cfg, batch=b, context=s, prompt=t, on=on) for on in est}
+  assert pred['cpu'].prefill_activations > pred['nvidia'].prefill_activations
+  assert pred['cpu'].decode_activations == pred['nvidia'].decode_activations
