@@ -300,10 +300,10 @@ def what_fits(cfg: TransformerConfig, budget_bytes: float,
     out[name] = {
         'weights': weight_bytes(cfg, formats=formats)['total'],
         'total': fits_total, 'fits': fits_total <= budget_bytes,
-        'max_batch': _search(lambda b, c: total(b, context, c) <= budget_bytes, max_batch,
-                             compiled),
-        'max_context': _search(lambda s, c: total(batch, s, c) <= budget_bytes, cfg.max_len,
-                               compiled),
+        'max_batch': _search(
+            lambda b, c, total=total: total(b, context, c) <= budget_bytes, max_batch, compiled),
+        'max_context': _search(
+            lambda s, c, total=total: total(batch, s, c) <= budget_bytes, cfg.max_len, compiled),
         'planner': 'compiled' if compiled else 'estimate'}
   return out
 
