@@ -368,8 +368,12 @@ def _table(results: list[dict]) -> str:
 
 
 def _plot(results: list[dict], path: str) -> None:
-  from qjax.eval.report import pyplot  # pylint: disable=g-import-not-at-top
-  plt = pyplot()
+  from qjax.eval.report import PlotsUnavailable, pyplot  # pylint: disable=g-import-not-at-top
+  try:
+    plt = pyplot()
+  except PlotsUnavailable as e:
+    print(f'{path} not written: {e}')
+    return
   ok = [r for r in results if 'error' not in r]
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
   for ax, key, title in zip(axes, ['prefill_tok_s', 'decode_b1_tok_s', 'decode_b8_tok_s'],

@@ -17,7 +17,7 @@ from absl import app
 from ml_collections import config_flags
 
 from qjax import costmodel
-from qjax.eval.report import pyplot
+from qjax.eval.report import figure, pyplot
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'A configs/plan_*.py file.', lock_config=True)
@@ -144,6 +144,7 @@ def paper_table() -> str:
 
 
 # ---------------------------------------------------------------------------- plot
+@figure
 def plot(cfg, path: str) -> None:
   """Best step latency vs batch for each layout, one panel per phase."""
   plt = pyplot()

@@ -29,7 +29,11 @@ def test_every_module_imports_without_matplotlib(subprocess_xla_flags):
   assert int(out.stdout.split()[-1]) > 100  # it walked the whole package
 
 
-def test_asking_for_a_plot_without_matplotlib_names_the_extra(monkeypatch):
+def test_asking_for_a_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
   monkeypatch.setitem(sys.modules, 'matplotlib', None)
-  with pytest.raises(ImportError, match=r"pip install 'qjax\[plots\]'"):
+  with pytest.raises(report.PlotsUnavailable, match=r"pip install 'qjax\[plots\]'"):
     report.pyplot()
+  # A figure-writing function warns and returns None: the run's tables do not depend on it.
+  with pytest.warns(UserWarning, match=r"plot_ppl_vs_bytes: figure not written"):
+    assert report.plot_ppl_vs_bytes([], str(tmp_path / 'a.png')) is None
+  assert not (tmp_path / 'a.png').exists()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from qjax.eval.report import pyplot, save_figure
+from qjax.eval.report import figure, pyplot, save_figure
 
 
 def _f(v, p=4):
@@ -28,7 +28,8 @@ def markdown(report: dict) -> str:
   if 'base_verified' in r:
     lines += [f"Base checkpoint: {r['base_verified']}.", '']
   lg = r['logits']
-  lines += ['## Fixed-prompt logits', '', '| max abs Δ | mean abs Δ | KL (nats) | top-1 agreement | tokens |',
+  lines += ['## Fixed-prompt logits', '',
+            '| max abs Δ | mean abs Δ | KL (nats) | top-1 agreement | tokens |',
             '|---|---|---|---|---|',
             f"| {_f(lg['max_abs_logit_diff'])} | {_f(lg['mean_abs_logit_diff'])} | "
             f"{_f(lg['kl'])} | {_f(lg['top1_agreement'])} | {lg['tokens']} |", '']
@@ -39,7 +40,8 @@ def markdown(report: dict) -> str:
             f"matched prefix {g['prefix_mean']:.1f} tokens (per prompt {g['prefix']}).", '',
             f'Per position: {per}', '']
   if r.get('perplexity'):
-    lines += ['## Perplexity', '', '| corpus | float | quantized | Δ | tokens |', '|---|---|---|---|---|']
+    lines += ['## Perplexity', '', '| corpus | float | quantized | Δ | tokens |',
+              '|---|---|---|---|---|']
     for k, v in r['perplexity'].items():
       lines.append(f"| {k} | {_f(v['float'])} | {_f(v['quant'])} | {v['delta']:+.4g} | "
                    f"{v['tokens']} |")
@@ -138,7 +140,8 @@ def markdown(report: dict) -> str:
   formats = {}
   for path, v in r['what_ran'].items():
     formats.setdefault((v['weight'], v['act']), []).append(path)
-  lines += ['## What ran', '', f"KV cache: {r['kv_cache']}.", '', '| weight format | activations | layers |',
+  lines += ['## What ran', '', f"KV cache: {r['kv_cache']}.", '',
+            '| weight format | activations | layers |',
             '|---|---|---|']
   for (wf, af), paths in sorted(formats.items()):
     shown = ', '.join(paths[:4]) + (f' (+{len(paths) - 4})' if len(paths) > 4 else '')
@@ -181,7 +184,8 @@ def compare_markdown(reports: Sequence[dict]) -> str:
     rows.append((f'{k} acc (Δ)', lambda r, k=k: f"{r['tasks'][k]['quant']:.3f} "
                                                 f"({r['tasks'][k]['delta']:+.3f})"))
   if 'memory' in first:
-    rows.append(('weights MB', lambda r: f"{r['memory']['measured']['weights']['total'] / 1e6:.4g}"))
+    rows.append(('weights MB',
+                 lambda r: f"{r['memory']['measured']['weights']['total'] / 1e6:.4g}"))
   if 'latency' in first:
     rows.append(('decode ms/tok b1 (float)', lambda r: (
         f"{r['latency']['quant']['b1']['decode_ms_per_token']:.3g} "
@@ -195,6 +199,7 @@ def compare_markdown(reports: Sequence[dict]) -> str:
   return '\n'.join(lines)
 
 
+@figure
 def plot(reports: Sequence[dict], path: str) -> str:
   """Greedy agreement per position, perplexity by position bucket and task accuracy."""
   plt = pyplot()

@@ -83,10 +83,16 @@ def greedy_agreement(ref_model, test_model, prompts_BT, num_tokens: int) -> dict
     position after the first disagreement as it comes) and 'greedy_prefix' (mean length of
     the identical prefix, in tokens).
   """
+  same, prefix = greedy_match(ref_model, test_model, prompts_BT, num_tokens)
+  return {'greedy_agreement': float(same.mean()), 'greedy_prefix': float(prefix.mean())}
+
+
+def greedy_match(ref_model, test_model, prompts_BT, num_tokens: int):
+  """(same_BN, prefix_B): where two models' greedy continuations of N = num_tokens tokens
+  agree, and each prompt's identical-prefix length."""
   prompts_BT = jnp.asarray(prompts_BT)
   t = prompts_BT.shape[1]
   a = np.asarray(greedy_generate(ref_model, prompts_BT, num_tokens))[:, t:]
   b = np.asarray(greedy_generate(test_model, prompts_BT, num_tokens))[:, t:]
   same = a == b
-  prefix = np.where(same.all(1), num_tokens, np.argmin(same, axis=1))
-  return {'greedy_agreement': float(same.mean()), 'greedy_prefix': float(prefix.mean())}
+  return same, np.where(same.all(1), num_tokens, np.argmin(same, axis=1))

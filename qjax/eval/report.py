@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Sequence
+import warnings
 
 COLUMNS = (('name', 'point'), ('method', 'method'), ('weight_format', 'format'),
            ('ppl', 'val ppl'), ('ppl_delta', 'Δ ppl'), ('max_abs_logit_diff', 'max |Δlogit|'),
@@ -15,19 +17,37 @@ COLUMNS = (('name', 'point'), ('method', 'method'), ('weight_format', 'format'),
            ('seconds', 'time s'), ('status', 'status'))
 
 
+class PlotsUnavailable(ImportError):
+  """matplotlib, qjax's optional 'plots' extra, is not installed."""
+
+
 def pyplot():
   """matplotlib.pyplot on the Agg backend (files only, no display), imported on first use.
 
-  matplotlib is the optional 'plots' extra: without it this raises an ImportError that says
-  how to install it (tables and JSON never need it)."""
+  matplotlib is the optional 'plots' extra: without it this raises `PlotsUnavailable`, which
+  says how to install it (tables and JSON never need it)."""
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise ImportError("plotting needs matplotlib, qjax's optional 'plots' extra: "
-                      "pip install 'qjax[plots]' (or pip install matplotlib)") from e
+    raise PlotsUnavailable("plotting needs matplotlib, qjax's optional 'plots' extra: "
+                           "pip install 'qjax[plots]' (or pip install matplotlib)") from e
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   return plt
+
+
+def figure(plot_fn):
+  """Decorates a function that writes a figure: without matplotlib it warns, naming the
+  extra, and returns None instead of raising, so that a run's tables, JSON and records never
+  depend on its figures."""
+  @functools.wraps(plot_fn)
+  def wrapped(*args, **kwargs):
+    try:
+      return plot_fn(*args, **kwargs)
+    except PlotsUnavailable as e:
+      warnings.warn(f'{plot_fn.__name__}: figure not written: {e}', stacklevel=2)
+      return None
+  return wrapped
 
 
 def save_figure(fig, path: str, dpi: int = 110) -> str:
@@ -55,6 +75,7 @@ def markdown_table(rows: Sequence[dict], columns=COLUMNS) -> str:
   return '\n'.join(lines)
 
 
+@figure
 def plot_ppl_vs_bytes(rows: Sequence[dict], path: str, title: str = '',
                       baseline: dict | None = None, x_key: str = 'weight_bytes',
                       x_label: str = 'weight bytes (MB, as stored on the device)',

@@ -11,8 +11,9 @@ steps), latency (prefill tok/s, decode ms/token at each batch, float and quantiz
 same run), the context limit under a budget (predicted, then compiled and run), perplexity by
 position bucket over a long window, the dynamic trigger rate of LLM.int8() layers (features
 and tokens that took the float path, per layer), and what actually ran (per-layer weight and
-activation formats read back from the quantized model). `write` puts validation.json, validation.md and
-validation.png in `out_dir`; with a conversion record there, the record links them.
+activation formats read back from the quantized model). `write` puts validation.json,
+validation.md and validation.png in `out_dir`; with a conversion record there, the record
+links them.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from qjax.eval import process as qprocess
 from qjax.eval import metrics
 from qjax.eval import tasks as qtasks
 from qjax.eval._validation_report import markdown, plot
-from qjax.nn import (Attention, einsum_layers, greedy_generate, greedy_step, init_cache,
+from qjax.nn import (Attention, einsum_layers, greedy_step, init_cache,
                      kv_format)
 from qjax.nn.report import format_name
 
@@ -45,15 +46,10 @@ from qjax.nn.report import format_name
 # ---------------------------------------------------------------------------- quality
 def greedy_positions(ref_model, test_model, prompts_BT, num_tokens: int) -> dict:
   """Greedy agreement per generated position, and the matched-prefix length per prompt."""
-  prompts_BT = jnp.asarray(prompts_BT)
-  t = prompts_BT.shape[1]
-  a = np.asarray(greedy_generate(ref_model, prompts_BT, num_tokens))[:, t:]
-  b = np.asarray(greedy_generate(test_model, prompts_BT, num_tokens))[:, t:]
-  same = a == b
-  prefix = np.where(same.all(1), num_tokens, np.argmin(same, axis=1))
+  same, prefix = metrics.greedy_match(ref_model, test_model, prompts_BT, num_tokens)
   return {'agreement': float(same.mean()), 'prefix_mean': float(prefix.mean()),
           'prefix': prefix.tolist(), 'per_position': same.mean(0).tolist(),
-          'tokens': num_tokens, 'prompts': int(prompts_BT.shape[0])}
+          'tokens': num_tokens, 'prompts': len(prefix)}
 
 
 @contextlib.contextmanager
@@ -354,7 +350,8 @@ REPORT_DIR = 'validation'
 def write(report: dict, out_dir: str, link: bool = False) -> dict:
   """validation.json, validation.md and validation.png under `out_dir/validation/`; with
   `link`, the conversion record in `out_dir` gains a 'validation' field naming them (and
-  their hashes, as artifacts)."""
+  their hashes, as artifacts). Without matplotlib (the 'plots' extra) the PNG is left out
+  with a warning; the report and the record do not need it."""
   d = os.path.join(out_dir, REPORT_DIR)
   os.makedirs(d, exist_ok=True)
   paths = {'json': os.path.join(d, 'validation.json'), 'md': os.path.join(d, 'validation.md'),
@@ -363,7 +360,8 @@ def write(report: dict, out_dir: str, link: bool = False) -> dict:
     json.dump(report, f, indent=1, default=str, sort_keys=True)
   with open(paths['md'], 'w') as f:
     f.write(markdown(report) + '\n')
-  plot([report], paths['png'])
+  if plot([report], paths['png']) is None:  # matplotlib missing: warned, not linked
+    del paths['png']
   if link:
     rel = {k: os.path.relpath(v, out_dir) for k, v in paths.items()}
     records.amend_record(out_dir, {'validation': {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from qjax.eval.report import pyplot, save_figure
+from qjax.eval.report import figure, pyplot, save_figure
 
 # (row key, bar label): the perplexities a row can carry, drawn side by side per point.
 PPL_BARS = (('base_ppl', 'quantized base'), ('ppl', 'point (adapted / trained / as is)'),
@@ -24,6 +24,7 @@ def plotted_values(rows: Sequence[dict]) -> dict:
   return {'ppl': ppl, 'memory': memory}
 
 
+@figure
 def plot_finetune(rows: Sequence[dict], path: str, title: str = '') -> dict:
   """Write the sweep's two-panel PNG to `path`.
 

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from qjax.eval.report import pyplot, save_figure
+from qjax.eval.report import figure, pyplot, save_figure
 from qjax.infer import paged
 from qjax.infer.engine import Engine, EngineConfig
 from qjax.pipeline.trace import TraceRequest, replay
@@ -175,6 +175,7 @@ def pooled_throughput(rows: Sequence[dict]) -> float:
   return sum(r['tokens'] for r in rows) / sum(r['seconds'] for r in rows)
 
 
+@figure
 def plot(rows: Sequence[dict], path: str, title: str = '') -> str:
   """Throughput, TTFT and ITL percentiles, and cache MiB per row as one PNG; returns path."""
   plt = pyplot()

@@ -46,7 +46,7 @@ from flax import nnx
 
 from qjax import eval as qeval
 from qjax.core import int_format
-from qjax.eval.report import pyplot, save_figure
+from qjax.eval.report import figure, pyplot, save_figure
 from qjax.pipeline import draft as qdraft
 from qjax.infer.sampling import SamplingBatch, SamplingParams, processed_logits, sample_generate
 from qjax.infer.speculative import layer_skip_draft, speculative_generate
@@ -341,6 +341,7 @@ def draft_bits(name: str) -> Optional[int]:
   return 32 if m.group(1) else int(m.group(4))
 
 
+@figure
 def plot_sweep(rows: list[dict], path: str) -> None:
   """Two panels: alpha vs draft weight bits (self-drafts, one line per temperature, gamma
   pooled by the mean) and measured speedup vs gamma (one line per draft, temperature 0)."""

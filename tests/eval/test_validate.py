@@ -4,6 +4,7 @@ an LLM.int8() conversion's dynamic trigger rate in the report."""
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from qjax.core import int_format
 from qjax.data import corpus
 from qjax.eval import tasks as qtasks
 from qjax.eval import validate
+from qjax.eval import validation
 from qjax.eval.validation import what_ran
 from qjax.nn import (QuantPolicy, QuantRule, Transformer, TransformerConfig, einsum_layers,
                      quantize_model)
@@ -149,3 +151,13 @@ def test_llm_int8_trigger_rate_in_the_report(tmp_path):
   assert r['what_ran']['layers/0/attn/q_proj']['act'].startswith('int8 + float outlier')
   md = open(os.path.join(str(tmp_path), 'validation', 'validation.md')).read()
   assert '## LLM.int8() dynamic trigger rate' in md and 'layers/0/attn/q_proj' in md
+
+
+def test_without_matplotlib_the_report_is_written_without_its_plot(run, tmp_path, monkeypatch):
+  *_, rep = run
+  monkeypatch.setitem(sys.modules, 'matplotlib', None)  # `import matplotlib` raises
+  with pytest.warns(UserWarning, match=r"plot: figure not written: .*'plots' extra"):
+    paths = validation.write(rep, str(tmp_path))
+  assert sorted(paths) == ['json', 'md']
+  assert os.path.exists(paths['md']) and not os.path.exists(tmp_path / 'validation' /
+                                                            'validation.png')
