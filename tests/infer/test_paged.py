@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qjax.infer import (PageAllocator, check_step, init_paged_cache, paged_forward,
-                        ring_pages_needed, with_step)
+from qjax.infer import (PageAllocator, check_step, init_paged_cache, ring_pages_needed, with_step)
 from qjax.nn import Transformer, TransformerConfig, init_cache, with_kv_format
 
 # Windows (ring layers), a global layer, softcaps: every path of the paged attention.
@@ -27,24 +26,12 @@ def _contiguous_logits(model, fmt, seq_1T):
   return np.asarray(logits[0])
 
 
-def _jitted_step(model):
-  """(step, state): `step(state, tokens_BT, cache)` -> (logits_BTV, cache), jitted."""
-  graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def step(state, tokens_BT, cache):
-    m = nnx.merge(graphdef, state)
-    x_BTD, cache = paged_forward(m, tokens_BT, cache)
-    return m.logits(x_BTD), cache
-  return step, state
-
-
 @pytest.mark.parametrize('fmt', [None, 'int8', 'int4', 'fp8'])
-def test_paged_decode_equals_contiguous_decode_for_ragged_rows(fmt):
+def test_paged_decode_equals_contiguous_decode_for_ragged_rows(fmt, paged_logits_step):
   """Row 0 prefills 11 tokens in chunks of 4 while row 1 (3 tokens) is already decoding;
   row 0's ring (2 pages of 4 for a window of 5) wraps around."""
   model = with_kv_format(Transformer(CFG, rngs=nnx.Rngs(0)), fmt)
-  step, state = _jitted_step(model)
+  step = paged_logits_step(model)
 
   seqs = [np.asarray(_tokens(15, 1)[0]), np.asarray(_tokens(8, 2)[0])]
   chunk = 4
@@ -64,7 +51,7 @@ def test_paged_decode_equals_contiguous_decode_for_ragged_rows(fmt):
     for i in range(2):
       tokens[i, :new[i]] = seqs[i][done[i]:done[i] + new[i]]
     cache = with_step(cache, table, rings, done, new)
-    logits, cache = step(state, jnp.asarray(tokens), cache)
+    logits, cache = step(jnp.asarray(tokens), cache)
     for i in range(2):
       if new[i]:
         got[i].update({done[i] + t: np.asarray(logits[i, t]) for t in range(new[i])})
@@ -78,7 +65,8 @@ def test_paged_decode_equals_contiguous_decode_for_ragged_rows(fmt):
 
 
 @pytest.mark.parametrize('fmt', [None, 'int4'])
-def test_packed_steps_over_blocks_of_several_pages_equal_contiguous_prefill(fmt, monkeypatch):
+def test_packed_steps_over_blocks_of_several_pages_equal_contiguous_prefill(fmt, monkeypatch,
+                                                                           paged_logits_step):
   """Packed steps (tokens (N, 1), each row's tokens one after another, attended together in
   that row) with key blocks of 2 pages: a block table of 9 pages (5 blocks, the last padded
   with the sink) and rings of 3 pages (2 blocks, the slots past the ring masked). Rows of
@@ -89,7 +77,7 @@ def test_packed_steps_over_blocks_of_several_pages_equal_contiguous_prefill(fmt,
   from qjax.infer import paged
   monkeypatch.setattr(paged, 'KEYS_PER_BLOCK', 2 * P)
   model = with_kv_format(Transformer(CFG, rngs=nnx.Rngs(0)), fmt)
-  step, state = _jitted_step(model)
+  step = paged_logits_step(model)
 
   seqs = [np.asarray(_tokens(t, seed)[0]) for t, seed in ((15, 1), (3, 2), (9, 3))]
   chunk, n, ring = 4, 12, 3
@@ -108,7 +96,7 @@ def test_packed_steps_over_blocks_of_several_pages_equal_contiguous_prefill(fmt,
     slot_of = np.concatenate([np.arange(k) for k in new] + [np.full(n - len(fed), chunk)])
     cache = with_step(cache, table, rings, done, new, seq_of=seq_of, slot_of=slot_of,
                       att_width=chunk, att_wide=3)
-    logits, cache = step(state, jnp.asarray(tokens), cache)
+    logits, cache = step(jnp.asarray(tokens), cache)
     at = 0
     for i, k in enumerate(new):
       got[i].update({done[i] + t: np.asarray(logits[at + t, 0]) for t in range(k)})

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from qjax.core import int_format, quantize
-from qjax.infer import init_paged_cache, paged_forward, with_step
+from qjax.infer import init_paged_cache, with_step
 from qjax.infer.paged_kernel import attention_form
 from qjax.nn import Transformer, TransformerConfig, with_kv_format
 
@@ -16,32 +16,20 @@ CFG = TransformerConfig.tiny(sliding_window=5, global_every=2, attn_logit_softca
                              max_len=32)
 
 
-def _step(model):
-  """A fresh jitted step (each traces anew, so it reads QJAX_PAGED_ATTENTION anew)."""
-  graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def step(state, tokens_BT, cache):
-    m = nnx.merge(graphdef, state)
-    x_BTD, cache = paged_forward(m, tokens_BT, cache)
-    return m.logits(x_BTD), cache
-  return lambda tokens_BT, cache: step(state, tokens_BT, cache)
-
-
 @pytest.mark.parametrize('fmt', [None, 'int8', 'int4', 'fp8'])
-def test_kernel_decode_equals_scan_decode(fmt, monkeypatch):
+def test_kernel_decode_equals_scan_decode(fmt, monkeypatch, paged_logits_step):
   """Two ragged rows (6 and 3 tokens, a ring that wrapped) prefill, then one decode step."""
   model = with_kv_format(Transformer(CFG, rngs=nnx.Rngs(0)), fmt)
   cache = init_paged_cache(CFG, num_pages=10, page_size=4, batch=2, max_pages=4,
                            ring_pages=3, num_ring_pages=7, fmt=fmt)
   table, rings = np.array([[5, 2, 8, 0], [3, 9, 0, 0]]), np.array([[1, 4, 6], [2, 3, 5]])
   tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, CFG.vocab_size)
-  _, cache = _step(model)(tokens, with_step(cache, table, rings, [0, 0], [6, 3]))
+  _, cache = paged_logits_step(model)(tokens, with_step(cache, table, rings, [0, 0], [6, 3]))
   cache = with_step(cache, table, rings, [6, 3], [1, 1])
   logits = {}
   for mode in ('scan', 'interpret'):
     monkeypatch.setenv('QJAX_PAGED_ATTENTION', mode)
-    logits[mode] = np.asarray(_step(model)(tokens[:, :1], cache)[0])
+    logits[mode] = np.asarray(paged_logits_step(model)(tokens[:, :1], cache)[0])
   want = logits['scan']
   np.testing.assert_allclose(logits['interpret'], want, atol=2e-4 * np.abs(want).max())
 
