@@ -7,10 +7,13 @@
   fail there for reasons that are not qjax's numerics. On CPU the setting changes nothing.
 * `@pytest.mark.backend('cpu', reason=...)`: a test of one backend's property (XLA:CPU's
   fusion decisions, the CPU kernel) runs there and is skipped elsewhere, with the reason.
+* `@pytest.mark.plots`: a test of a figure, skipped with the reason where matplotlib (the
+  optional 'plots' extra, in the test extra) is not installed, e.g. on an accelerator image.
 * On an accelerator, no process preallocates the device memory (`make test-gpu` runs
   several pytest workers on one GPU).
 """
 
+import importlib.util
 import os
 
 from importlib import metadata as _metadata  # noqa: E402
@@ -97,6 +100,8 @@ settings.load_profile('qjax')
 def pytest_configure(config):
   config.addinivalue_line('markers', "backend(name, ..., reason=''): a test of a property of "
                           "these backends only ('cpu', 'gpu', 'tpu'); skipped on the others.")
+  config.addinivalue_line('markers', "plots: needs matplotlib (the 'plots' extra); skipped "
+                          'where it is not installed.')
 
 
 def pytest_runtest_setup(item):
@@ -104,6 +109,8 @@ def pytest_runtest_setup(item):
     why = backend_skip_reason(mark.args, mark.kwargs.get('reason', ''), jax.default_backend())
     if why:
       pytest.skip(why)
+  if item.get_closest_marker('plots') and importlib.util.find_spec('matplotlib') is None:
+    pytest.skip("needs matplotlib, the optional 'plots' extra (pip install 'qjax[plots]')")
 
 
 @pytest.fixture

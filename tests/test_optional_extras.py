@@ -1,6 +1,7 @@
 """matplotlib is the optional 'plots' extra: every qjax module imports without it, and asking
 for a plot says how to install it."""
 
+import importlib.util
 import subprocess
 import sys
 
@@ -37,3 +38,10 @@ def test_asking_for_a_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_p
   with pytest.warns(UserWarning, match=r"plot_ppl_vs_bytes: figure not written"):
     assert report.plot_ppl_vs_bytes([], str(tmp_path / 'a.png')) is None
   assert not (tmp_path / 'a.png').exists()
+
+
+@pytest.mark.plots
+def test_plots_marked_tests_run_where_matplotlib_is_installed():
+  """The `plots` marker (tests/conftest.py) skips only where matplotlib is missing."""
+  assert importlib.util.find_spec('matplotlib') is not None
+  assert report.pyplot().get_backend().lower() == 'agg'

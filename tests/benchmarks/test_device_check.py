@@ -9,6 +9,7 @@ import pytest
 from benchmarks import device_check
 
 
+@pytest.mark.plots
 def test_smoke_run_writes_json_markdown_and_plot(tmp_path):
   result = device_check.main(['--smoke', '--formats=bf16,w8a8', '--hf=no', '--threads=2',
                               f'--out={tmp_path}'])
@@ -78,6 +79,7 @@ def _saved_runs(tmp_path) -> str:
   return ','.join(paths)
 
 
+@pytest.mark.plots
 def test_render_merges_saved_runs(tmp_path):
   merged = device_check.main([f'--render={_saved_runs(tmp_path)}', f'--out={tmp_path}'])
   assert len(merged['rows']) == 2 and merged['wall_s'] == 20.0

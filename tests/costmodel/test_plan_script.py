@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -16,6 +18,7 @@ def _run(config: str, *flags: str) -> subprocess.CompletedProcess:
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.plots
 def test_palm_config_prints_the_table_and_writes_the_plot(tmp_path):
   out = _run('configs/plan_palm540b.py', f'--config.out_dir={tmp_path}')
   assert out.returncode == 0, out.stderr[-2000:]

@@ -4,6 +4,8 @@ closed, so a long sweep does not accumulate open figures)."""
 
 import pathlib
 
+import pytest
+
 from qjax.eval import report
 from qjax.pipeline import serving
 
@@ -22,6 +24,7 @@ def test_markdown_table_keeps_present_columns_formats_floats_and_escapes_pipes()
   assert header == r'| max \|Δlogit\| |'
 
 
+@pytest.mark.plots
 def test_plot_ppl_vs_bytes_writes_a_png_into_a_new_folder_and_closes_it(tmp_path):
   plt = report.pyplot()
   before = set(plt.get_fignums())
@@ -36,6 +39,7 @@ def test_plot_ppl_vs_bytes_writes_a_png_into_a_new_folder_and_closes_it(tmp_path
   assert set(plt.get_fignums()) == before
 
 
+@pytest.mark.plots
 def test_save_figure_writes_at_the_asked_resolution(tmp_path):
   plt = report.pyplot()
   fig, _ = plt.subplots(figsize=(2, 1))
@@ -46,6 +50,7 @@ def test_save_figure_writes_at_the_asked_resolution(tmp_path):
   assert (width(small), width(big)) == (100, 200)
 
 
+@pytest.mark.plots
 def test_serving_plot_makes_its_folder(tmp_path):
   """serving.plot once wrote straight to `path` and failed when its folder was missing."""
   rows = [{'variant': v, 'tokens_per_s': t, 'ttft_p50': 0.1, 'itl_p50': 0.02,

@@ -105,6 +105,7 @@ def test_report_states_what_ran(run):
   assert ran['layers/1/attn/o_proj']['act'].startswith('int8')
 
 
+@pytest.mark.plots
 def test_files_written_and_linked_from_the_verified_record(run):
   model, _, out, r = run
   d = os.path.join(out, 'validation')

@@ -1,6 +1,9 @@
 """colab/validate.ipynb executes end to end in its small mode (a random tiny model)."""
 
+import pytest
 
+
+@pytest.mark.plots
 def test_validate_notebook_runs(run_notebook):
   text, outputs = run_notebook('validate.ipynb', QJAX_NB_SMALL='1')
   assert '| conversion | KL |' in text and '| int8 |' in text and '| mixed-at-int4 |' in text

@@ -144,6 +144,7 @@ def test_bad_requests_are_refused_and_others_unaffected(model):
   assert engine.output(ok) == _alone(model, _prompts()[0], 6)
 
 
+@pytest.mark.plots
 def test_engine_notebook_runs(run_notebook):
   text, outputs = run_notebook('engine.ipynb', QJAX_NB_SMALL='1')
   assert 'engine outputs == greedy_generate alone for 1 request(s)' in text

@@ -36,6 +36,7 @@ def test_runner_resumes_and_records_failures(tmp_path):
     qeval.run_sweep([('a', {}), ('a', {})], run, path)
 
 
+@pytest.mark.plots
 def test_ptq_sweep_end_to_end_on_tiny_model(trained_tiny, tmp_path):
   c = tiny_config(trained_tiny)
   c.out_dir = str(tmp_path / 'sweep')

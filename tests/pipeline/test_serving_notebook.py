@@ -1,6 +1,9 @@
 """colab/serving.ipynb executes end to end in its small mode (a random tiny model)."""
 
+import pytest
 
+
+@pytest.mark.plots
 def test_serving_notebook_runs(run_notebook):
   text, outputs = run_notebook('serving.ipynb', QJAX_NB_SMALL='1')
   assert 'outputs identical with prefix caching: True' in text, text

@@ -1,10 +1,13 @@
 """The speculative sweep on the tiny model: rows, a failing point recorded, resumed."""
 
+import pytest
+
 from configs import speculative_gemma3
 from qjax import eval as qeval
 from qjax.pipeline import speculative_sweep
 
 
+@pytest.mark.plots
 def test_tiny_sweep_rows_failures_and_resume(tmp_path):
   c = speculative_gemma3.small(speculative_gemma3.get_config())
   c.model, c.out_dir = 'tiny', str(tmp_path)

@@ -1,6 +1,8 @@
 """qjax.pipeline.finetune_plot: the sweep's plot draws each point's perplexities (the
 quantized base only beside an adapted point) and the training cost of the trained points."""
 
+import pytest
+
 from qjax.pipeline import finetune_plot
 
 ROWS = [
@@ -15,6 +17,7 @@ ROWS = [
 ]
 
 
+@pytest.mark.plots
 def test_plot_draws_each_finished_points_perplexities_and_training_cost(tmp_path):
   path = tmp_path / 'sub' / 'plot.png'
   values = finetune_plot.plot_finetune(ROWS, str(path), 'title')

@@ -35,6 +35,7 @@ def _config(workdir, out_dir):
   return c
 
 
+@pytest.mark.plots
 def test_sweep_rows_records_resume_and_table(trained, tmp_path):
   from configs import qat_sweep  # pylint: disable=g-import-not-at-top
   points = [{'quant.bits': 4, 'quant.group_size': 32, 'quant.method': m}
