@@ -24,7 +24,8 @@ __all__ = [
 from qjax.nn.attention import (Attention, attend, attend_blockwise, attention_mask, kv_format,
                                layer_forms, online_attend, set_kv_format, with_kv_format)
 from qjax.nn.config import TransformerConfig, num_params
-from qjax.nn.generate import (LoopState, decode_loop, decode_step, decode_steps,
+from qjax.nn.decode_core import LoopState
+from qjax.nn.generate import (decode_loop, decode_step, decode_steps,
                               greedy_generate, greedy_step, logits_step)
 from qjax.nn.kvcache import KVCache, init_cache
 from qjax.nn.einsum_quant import EinsumQuant

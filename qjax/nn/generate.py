@@ -15,13 +15,15 @@ position's logits into whatever the caller wants (argmax for greedy; `qjax.infer
 sampler with per-row keys), inside the same compiled function. `logits_step` returns the
 logits of every fed position (a verifier scoring several tokens at once).
 
-`decode_loop` is the library's one decode loop: a jitted `lax.while_loop` of up to
-`decode_block` (K) steps per dispatch, with the token choice (`pick`), stop tokens, per-row
-token limits and finished rows all on the device; the host reads the tokens once per block
-and dispatches the next block before it reads (jax dispatch is asynchronous), so the device
-is not idle while the host handles a block. `greedy_generate`, `decode_steps` and
-`qjax.infer.sample_generate` run on it. The host-side split of the model (once per model,
-its graphdef hashed once, bf16 widened once on XLA:CPU) is `qjax.nn.model_split`.
+`decode_loop` dispatches the library's one decode loop (`qjax.nn.decode_core.run_block`, a
+jitted `lax.while_loop` of up to `decode_block` (K) steps) with a model step: the token choice
+(`pick`), stop tokens, per-row token limits and finished rows stay on the device; the host
+reads the tokens once per block and dispatches the next block before it reads (jax dispatch
+is asynchronous), so the device is not idle while the host handles a block.
+`greedy_generate`, `decode_steps` and `qjax.infer.sample_generate` run on it; the engine and
+speculative decoding run their own steps on the same `run_block`. The host-side split of the
+model (once per model, its graphdef hashed once, bf16 widened once on XLA:CPU) is
+`qjax.nn.model_split`.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ from jax import lax
 import numpy as np
 from flax import nnx
 
+from qjax.nn import decode_core
 from qjax.nn import kvcache
 from qjax.nn import validate
 from qjax.nn.attention import kv_format
+from qjax.nn.decode_core import LoopState, stop_table  # noqa: F401  (re-exported)
 from qjax.nn.kvcache import KVCache
 from qjax.nn.model_split import SPLITS as _SPLITS  # noqa: F401  (tests read it)
 from qjax.nn.model_split import host_lengths as _host_lengths
@@ -190,79 +194,20 @@ def greedy_pick(logits_BV, count_B, carry):
   return argmax_or_non_finite(logits_BV), jnp.zeros(logits_BV.shape[:1], jnp.float32), carry
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LoopState:
-  """What `decode_loop` carries from one dispatch to the next (a pytree on the device).
-
-  Attributes:
-    tok_B: int32, each row's last token (fed by the next step).
-    count_B: int32, tokens each row has generated (the output index of its next token).
-    max_B: int32, tokens each row may generate; a row stops when count_B reaches it.
-    stop_BS: int32, each row's stop tokens, padded with -1 (S >= 1); a row stops after one.
-    live_B: bool, rows still generating (a row also stops at a `NON_FINITE` token).
-    carry: the pick's pytree (sampling parameters, seen-token masks).
-  """
-
-  tok_B: jax.Array
-  count_B: jax.Array
-  max_B: jax.Array
-  stop_BS: jax.Array
-  live_B: jax.Array
-  carry: Any = ()
-
-  @classmethod
-  def start(cls, tok_B, max_B, *, count_B=None, stop_BS=None, carry=()) -> 'LoopState':
-    """The state of rows whose last token is tok_B: count 0 (or count_B), no stops (or
-    stop_BS), every row live that has a token left to generate."""
-    tok_B = jnp.asarray(tok_B, jnp.int32)
-    b = tok_B.shape[0]
-    count_B = jnp.zeros((b,), jnp.int32) if count_B is None else jnp.asarray(count_B,
-                                                                           jnp.int32)
-    max_B = jnp.broadcast_to(jnp.asarray(max_B, jnp.int32), (b,))
-    stop_BS = (jnp.full((b, 1), -1, jnp.int32) if stop_BS is None else
-               jnp.asarray(stop_BS, jnp.int32))
-    return cls(tok_B, count_B, max_B, stop_BS, (count_B < max_B) & (tok_B >= 0), carry)
-
-
-def stop_table(stop_tokens: Sequence[Sequence[int]]) -> np.ndarray:
-  """stop_BS: each row's stop tokens padded with -1 (at least one column)."""
-  s = max([len(t) for t in stop_tokens] + [1])
-  out = np.full((len(stop_tokens), s), -1, np.int32)
-  for row, toks in enumerate(stop_tokens):
-    out[row, :len(toks)] = toks
-  return out
-
-
 @functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(2,))
 def _loop_block(graphdef, state, cache, loop: LoopState, pick, block: int):
-  """Up to `block` decode steps of the live rows in one `lax.while_loop`; it ends early once
-  no row is live. Finished rows still run (fixed shapes) and repeat their last token."""
+  """Up to `block` decode steps of the live rows on `decode_core.run_block`."""
   _TRACES['block'] += 1
   model = _merge(graphdef, state)
   one = jnp.int32(1)
 
-  def cond(c):
-    i, _, loop, _, _ = c
-    return (i < block) & jnp.any(loop.live_B)
-
-  def body(c):
-    i, cache, loop, new_BK, extra_BK = c
+  def step(loop, cache):
     logits_BV, cache = _last_logits(model, loop.tok_B[:, None], cache, one)
     tok_B, extra_B, carry = pick(logits_BV, loop.count_B, loop.carry)
-    live_B = loop.live_B
-    tok_B = jnp.where(live_B, tok_B.astype(jnp.int32), loop.tok_B)
-    count_B = loop.count_B + live_B
-    stop_B = jnp.any(tok_B[:, None] == loop.stop_BS, axis=1) | (tok_B < 0)
-    loop = dataclasses.replace(loop, tok_B=tok_B, count_B=count_B, carry=carry,
-                               live_B=live_B & ~stop_B & (count_B < loop.max_B))
-    return (i + 1, cache, loop, new_BK.at[:, i].set(tok_B), extra_BK.at[:, i].set(extra_B))
+    return tok_B[:, None], extra_B[:, None], jnp.ones_like(loop.count_B), carry, cache
 
-  b = loop.tok_B.shape[0]
-  init = (jnp.int32(0), cache, loop, jnp.zeros((b, block), jnp.int32),
-          jnp.zeros((b, block), jnp.float32))
-  _, cache, loop, new_BK, extra_BK = lax.while_loop(cond, body, init)
-  return cache, loop, new_BK, extra_BK
+  out, cache = decode_core.run_block(step, loop, cache, block)
+  return cache, out.state, out.tok_BW, out.extra_BW
 
 
 class DecodeLoop:
