@@ -2,9 +2,10 @@
 
 When every running sequence decodes (no prompt chunk to feed, no stop string to check on
 the host, no repetition penalty), `Engine` runs up to K = `EngineConfig.decode_block` decode
-steps in one jitted `lax.while_loop` (`decode_block`): each step feeds every live row's
-last token through the paged cache (the unpacked (B, 1) layout: row b's token is row b),
-samples (`qjax.infer.sampling.sample`, or the argmax when every row is greedy), and ends a
+steps in one dispatch (`decode_block`, a step on the library's one decode loop,
+`qjax.nn.decode_core.run_block`): each step feeds every live row's last token through the
+paged cache (the unpacked (B, 1) layout: row b's token is row b), samples
+(`qjax.infer.sampling.sample`, or the argmax when every row is greedy), and the loop ends a
 row at a stop token, at its max_tokens or at a non-finite logit, all on the device. The host
 reads the K tokens of every row once per block. With requests waiting for a row or pages,
 the block also ends as soon as a row finishes, so admission is no later than step by step.
@@ -38,29 +39,11 @@ from qjax.infer import paged
 from qjax.infer import page_host
 from qjax.infer.sampling import SamplingParams, row_keys, sample
 from qjax.nn import validate
+from qjax.nn.decode_core import LoopState, run_block
 from qjax.nn.generate import argmax_or_non_finite
 from qjax.nn.model_split import merge
 
 _TRACES = [0]  # how often `decode_block` was traced (= compiled), over every engine
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class BlockRows:
-  """The rows' decode state on the device (a pytree; row b is the engine's row b).
-
-  Attributes:
-    tok_B: int32, the last token of each row (fed by the next step).
-    position_B: int32, each row's output count (the output index of the next token).
-    max_B: int32, each row's max_tokens.
-    stop_BS: int32, stop tokens per row padded with -1.
-    live_B: bool, rows decoding (a free row, or one that finished, is not).
-  """
-  tok_B: jax.Array
-  position_B: jax.Array
-  max_B: jax.Array
-  stop_BS: jax.Array
-  live_B: jax.Array
 
 
 def _draw(logits_BV, params, position_B):
@@ -77,39 +60,24 @@ def _draw(logits_BV, params, position_B):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2,))
-def decode_block(graphdef, state, cache, rows: BlockRows, params, block: int, stop_early):
-  """Up to `block` decode steps of the live rows (module docstring); ends early when no row
-  is live, or, with `stop_early`, once a row finished. Returns (cache, rows, tok_BK,
-  logprob_BK, num_B): row b generated tok_BK[b, :num_B[b]]. The values of rows that are not
-  live are never read (they may differ from what the host would build for an idle row)."""
+def decode_block(graphdef, state, cache, rows: LoopState, params, block: int, stop_early):
+  """Up to `block` decode steps of the live rows on `decode_core.run_block` (module
+  docstring); ends early when no row is live, or, with `stop_early`, once a row finished.
+  Returns (cache, rows, tok_BK, logprob_BK, num_B): row b generated tok_BK[b, :num_B[b]].
+  The values of rows that are not live are never read (they may differ from what the host
+  would build for an idle row)."""
   _TRACES[0] += 1  # runs only while tracing
   model = merge(graphdef, state)
-  b = rows.tok_B.shape[0]
 
-  def cond(c):
-    i, _, rows, _, _, ended = c
-    return (i < block) & jnp.any(rows.live_B) & ~(stop_early & ended)
-
-  def body(c):
-    i, cache, rows, tok_BK, lp_BK, ended = c
-    live_B = rows.live_B
-    cache = dataclasses.replace(cache, num_new=live_B.astype(jnp.int32))
+  def step(rows, cache):
+    cache = dataclasses.replace(cache, num_new=rows.live_B.astype(jnp.int32))
     x_BTD, cache = paged.forward(model, rows.tok_B[:, None], cache)
-    tok_B, lp_B = _draw(model.logits(x_BTD)[:, 0], params, rows.position_B)
-    tok_B = jnp.where(live_B, tok_B, rows.tok_B)
-    position_B = rows.position_B + live_B
-    stop_B = (jnp.any(tok_B[:, None] == rows.stop_BS, axis=1) | (tok_B < 0) |
-              (position_B >= rows.max_B))
-    rows = dataclasses.replace(rows, tok_B=tok_B, position_B=position_B,
-                               live_B=live_B & ~stop_B)
-    ended = ended | jnp.any(live_B & stop_B)
-    return (i + 1, cache, rows, tok_BK.at[:, i].set(tok_B), lp_BK.at[:, i].set(lp_B), ended)
+    tok_B, lp_B = _draw(model.logits(x_BTD)[:, 0], params, rows.count_B)
+    return tok_B[:, None], lp_B[:, None], jnp.ones_like(rows.count_B), rows.carry, cache
 
-  init = (jnp.int32(0), cache, rows, jnp.zeros((b, block), jnp.int32),
-          jnp.zeros((b, block), jnp.float32), jnp.bool_(False))
-  _, cache, out, tok_BK, lp_BK, _ = jax.lax.while_loop(cond, body, init)
+  out, cache = run_block(step, rows, cache, block, stop_early=stop_early)
   cache = dataclasses.replace(cache, num_new=jnp.zeros_like(cache.num_new))
-  return cache, out, tok_BK, lp_BK, out.position_B - rows.position_B
+  return cache, out.state, out.tok_BW, out.extra_BW, out.num_B
 
 
 class Resident:
@@ -204,8 +172,8 @@ class BlockDecoding:
         ring_table=res.put('ring', host['ring']), length=res.put('length', host['length']),
         num_new=res.put('num_new', np.zeros(b, np.int32)), seq_of=None, slot_of=None,
         att_width=0, att_wide=0)
-    dev_rows = BlockRows(
-        tok_B=res.put('tok', host['tok']), position_B=res.put('position', host['position']),
+    dev_rows = LoopState(
+        tok_B=res.put('tok', host['tok']), count_B=res.put('position', host['position']),
         max_B=res.put('max', host['max']), stop_BS=res.put('stop', host['stop']),
         live_B=res.put('live', host['live']))
     params = self._sampling([s.params if s is not None else _GREEDY for s in rows])
@@ -265,7 +233,7 @@ class BlockDecoding:
       new_rows = out[1]
       for name, dev in (('table', self.cache.block_table), ('ring', self.cache.ring_table),
                         ('length', self.cache.length), ('num_new', self.cache.num_new),
-                        ('tok', new_rows.tok_B), ('position', new_rows.position_B),
+                        ('tok', new_rows.tok_B), ('position', new_rows.count_B),
                         ('live', new_rows.live_B)):
         res.hold(name, table if name == 'table' else after[name], dev)
     self.stats.host_s += time.perf_counter() - t0
@@ -311,7 +279,7 @@ class BlockDecoding:
     """Compile the decode block on rows none of which is live (`Engine.compile_buckets`)."""
     b = self.config.max_batch
     host = row_arrays([None] * b, self.max_pages, self.cache.ring_table.shape[1])
-    rows = BlockRows(*(jnp.asarray(host[k]) for k in ('tok', 'position', 'max', 'stop',
+    rows = LoopState(*(jnp.asarray(host[k]) for k in ('tok', 'position', 'max', 'stop',
                                                       'live')))
     cache = dataclasses.replace(self.cache, block_table=jnp.asarray(host['table']),
                                 ring_table=jnp.asarray(host['ring']),
