@@ -7,8 +7,9 @@
                                             params=SamplingParams(temperature=0.7), gamma=4)
     stats.alpha, stats.alpha_tv, stats.tokens_per_pass, stats.expected_tokens_per_pass
 
-One round (a function of both models; `rounds_per_dispatch` of them run in one jitted
-`lax.while_loop`, so the host reads the done flags once per dispatch): the draft decodes
+One round (a function of both models; `rounds_per_dispatch` of them run in one dispatch,
+as steps of the library's one decode loop, `qjax.nn.decode_core.run_block`, so the host
+reads the tokens and done flags once per dispatch): the draft decodes
 gamma tokens with its own KV cache, drawing each from `processed_logits` of its logits; the
 target feeds the last emitted token and the gamma draft tokens (gamma + 1 positions) through
 its cache in one forward; `speculative_core.verify` accepts a prefix and draws the next
@@ -47,6 +48,7 @@ from qjax.infer.sampling import SamplingParams, as_batch, processed_logits, row_
 from qjax.nn import kvcache
 from qjax.nn.attention import kv_format
 from qjax.nn import validate
+from qjax.nn.decode_core import LoopState, run_block, stop_table
 from qjax.nn.generate import logits_step
 from qjax.nn.model_split import merge, split_for_decode
 from qjax.nn.transformer import Transformer
@@ -163,34 +165,36 @@ def check_compatible(target, draft, gamma: int, target_tokenizer=None,
                        'ids; token ids would mean different text. Use the same tokenizer.')
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 4, 7), donate_argnums=(6,))
-def _rounds(tgraph, tstate, dgraph, dstate, gamma, params, state, rounds: int):
-  """Up to `rounds` draft-verify rounds in one `lax.while_loop` (fewer once every row is
-  done); returns the new state and the rounds' stats summed."""
+@functools.partial(jax.jit, static_argnums=(0, 2, 4, 8), donate_argnums=(6,))
+def _rounds(tgraph, tstate, dgraph, dstate, gamma, params, ctx, loop: LoopState, rounds: int):
+  """Up to `rounds` draft-verify rounds on `decode_core.run_block` (fewer once every row is
+  done); returns (ctx, the rounds' `Decoded` tokens, their stats summed)."""
   target, draft = merge(tgraph, tstate), merge(dgraph, dstate)
-  zeros = jax.eval_shape(lambda s: _round(target, draft, gamma, params, s)[1], state)
+  zeros = jax.eval_shape(lambda c: _round(target, draft, gamma, params, loop, c)[3], ctx)
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zeros)
 
-  def body(c):
-    i, state, totals = c
-    state, stats = _round(target, draft, gamma, params, state)
-    return i + 1, state, jax.tree.map(jnp.add, totals, stats)
-  cond = lambda c: (c[0] < rounds) & ~jnp.all(c[1]['done_B'])
-  _, state, totals = jax.lax.while_loop(cond, body, (jnp.int32(0), state, zeros))
-  return state, totals
+  def step(loop, ctx):
+    ctx, totals = ctx
+    tokens_BX, num_B, ctx, stats = _round(target, draft, gamma, params, loop, ctx)
+    zero_BX = jnp.zeros(tokens_BX.shape, jnp.float32)
+    return tokens_BX, zero_BX, num_B, loop.carry, (ctx, jax.tree.map(jnp.add, totals, stats))
+
+  out, (ctx, totals) = run_block(step, loop, (ctx, zeros), rounds, width=gamma + 1)
+  return ctx, out, totals
 
 
-def _round(target, draft, gamma, params, state):
-  """One draft-verify round for every row; returns the new state and per-round stats."""
-  tcache, dcache = state['tcache'], state['dcache']
-  cur_B, pend_B, has_pend_B = state['cur_B'], state['pending_B'], state['has_pending_B']
-  gen_B, done_B = state['gen_B'], state['done_B']
+def _round(target, draft, gamma, params, loop, ctx):
+  """One draft-verify round for every row: (tokens_BX, num_B, ctx, stats), the first num_B
+  of the X = gamma + 1 tokens accepted (the first is NON_FINITE where a logit was not)."""
+  tcache, dcache = ctx['tcache'], ctx['dcache']
+  cur_B, pend_B, has_pend_B = loop.tok_B, ctx['pending_B'], ctx['has_pending_B']
+  gen_B, live_B = loop.count_B, loop.live_B
   b = cur_B.shape[0]
 
   # Finished rows still run (fixed shapes) but keep their lengths; their writes go to slots
   # past the length, moved down where the cache would overflow (those rows are never read).
   t_len_B, d_len_B = tcache.length, dcache.length
-  park = lambda len_B, c: jnp.where(done_B, jnp.minimum(len_B, c.max_len - gamma - 1), len_B)
+  park = lambda len_B, c: jnp.where(live_B, len_B, jnp.minimum(len_B, c.max_len - gamma - 1))
   tcache = dataclasses.replace(tcache, length=park(t_len_B, tcache))
   dcache = dataclasses.replace(dcache, length=park(d_len_B, dcache))
 
@@ -234,39 +238,26 @@ def _round(target, draft, gamma, params, state):
 
   kl_BG = speculative_core.kl_divergence(
       speculative_core.emitted_distribution(p_BXV[:, :gamma], q_BGV), p_BXV[:, :gamma])
-  live_B = ~done_B
   num_new_B = num_acc_B + 1
   full_B = num_acc_B == gamma
   new_t_len_B = jnp.where(live_B, t_len_B + num_new_B, t_len_B)
   new_d_len_B = jnp.where(live_B, new_t_len_B - full_B.astype(jnp.int32), d_len_B)
-  put = jax.vmap(lambda o, n, s: jax.lax.dynamic_update_slice_in_dim(o, n, s, axis=0))
-  out_BN = jnp.where(live_B[:, None], put(state['out_BN'], tokens_BX, gen_B), state['out_BN'])
-  new_cur_B = jnp.take_along_axis(tokens_BX, num_acc_B[:, None], axis=1)[:, 0]
-  new_gen_B = jnp.where(live_B, gen_B + num_new_B, gen_B)
-  valid_BX = jnp.arange(x)[None] < num_new_B[:, None]
-  stop_hit_B = jnp.any(valid_BX[..., None] & (tokens_BX[..., None] ==
-                                               state['stop_BS'][:, None, :]), axis=(1, 2))
-  new_state = dict(
-      state,
-      tcache=dataclasses.replace(tcache, length=new_t_len_B),
-      dcache=dataclasses.replace(dcache, length=new_d_len_B),
-      cur_B=jnp.where(live_B, new_cur_B, cur_B),
-      pending_B=jnp.where(live_B, draft_BG[:, -1], pend_B),
-      has_pending_B=jnp.where(live_B, full_B, has_pend_B),
-      gen_B=new_gen_B, out_BN=out_BN,
-      done_B=done_B | (live_B & ((new_gen_B >= state['max_B']) | stop_hit_B)))
-  # A non-finite logit (target or draft) makes the round's tokens meaningless: flag the row.
+  # A non-finite logit (target or draft) makes the round's tokens meaningless: the row's
+  # first token is NON_FINITE, which ends it.
   finite_B = (validate.finite_rows(logits_BXV.reshape(b, -1)) &
               validate.finite_rows(logits_BV))
-  new_state['bad_B'] = state['bad_B'] | (live_B & ~finite_B)
-  new_state['done_B'] = new_state['done_B'] | new_state['bad_B']
+  tokens_BX = tokens_BX.at[:, 0].set(jnp.where(finite_B, tokens_BX[:, 0], validate.NON_FINITE))
+  ctx = dict(tcache=dataclasses.replace(tcache, length=new_t_len_B),
+             dcache=dataclasses.replace(dcache, length=new_d_len_B),
+             pending_B=jnp.where(live_B, draft_BG[:, -1], pend_B),
+             has_pending_B=jnp.where(live_B, full_B, has_pend_B))
   reached_BG = (jnp.arange(gamma)[None] <= num_acc_B[:, None]) & live_B[:, None]
   accepted_BG = (jnp.arange(gamma)[None] < num_acc_B[:, None]) & live_B[:, None]
   stats = dict(rounds=jnp.sum(live_B), tokens=jnp.sum(jnp.where(live_B, num_new_B, 0)),
                reached_G=jnp.sum(reached_BG, 0), accepted_G=jnp.sum(accepted_BG, 0),
                beta_sum_G=jnp.sum(jnp.where(reached_BG, beta_BG, 0.0), 0),
                kl_sum_G=jnp.sum(jnp.where(reached_BG, kl_BG, 0.0), 0))
-  return new_state, stats
+  return tokens_BX, num_new_B, ctx, stats
 
 
 def _prefill(model, prompt_BT, cache):
@@ -327,43 +318,41 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
                     kvcache.init_cache(target.config, b, size, fmt=kv_format(target)))
   dcache = _prefill(draft, prompt_BT[:, :-1],
                     kvcache.init_cache(draft.config, b, size, fmt=kv_format(draft)))
-  num_stop = max([len(p.stop_tokens) for p in plist] + [1])
-  stop_BS = np.full((b, num_stop), -1, np.int32)
-  for i, p in enumerate(plist):
-    stop_BS[i, :len(p.stop_tokens)] = p.stop_tokens
+  stop_BS = stop_table([p.stop_tokens for p in plist])
+  loop = LoopState.start(prompt_BT[:, -1], max_tokens, stop_BS=stop_BS)
   zeros_B = lambda dtype=jnp.int32: jnp.zeros((b,), dtype)  # distinct buffers (donated)
-  state = dict(tcache=tcache, dcache=dcache, cur_B=prompt_BT[:, -1], pending_B=zeros_B(),
-               has_pending_B=zeros_B(bool), gen_B=zeros_B(), done_B=zeros_B(bool),
-               bad_B=zeros_B(bool),
-               out_BN=jnp.zeros((b, max_tokens + gamma + 1), jnp.int32),
-               max_B=jnp.full((b,), max_tokens, jnp.int32), stop_BS=jnp.asarray(stop_BS))
+  ctx = dict(tcache=tcache, dcache=dcache, pending_B=zeros_B(), has_pending_B=zeros_B(bool))
   rounds_per_dispatch = validate.count(rounds_per_dispatch, 'rounds_per_dispatch',
                                        'speculative_generate')
   tgraph, tstate = split_for_decode(target)
   dgraph, dstate = split_for_decode(draft)
-  totals = None
+  totals, rows = None, [[] for _ in range(b)]
   for _ in range(-(-max_tokens // rounds_per_dispatch)):  # every live row emits >= 1 a round
-    state, stats = _rounds(tgraph, tstate, dgraph, dstate, gamma, batch, state,
-                           rounds_per_dispatch)
-    stats = jax.device_get(stats)
+    ctx, out, stats = _rounds(tgraph, tstate, dgraph, dstate, gamma, batch, ctx, loop,
+                              rounds_per_dispatch)
+    loop = out.state
+    tok_BW, num_B, live_B, stats = jax.device_get((out.tok_BW, out.num_B, loop.live_B, stats))
     totals = stats if totals is None else jax.tree.map(np.add, totals, stats)
-    if bool(np.all(jax.device_get(state['done_B']))):
+    for row, toks, num in zip(rows, tok_BW, num_B):
+      row.extend(toks[:num].tolist())
+    if not live_B.any():
       break
-  bad_B = np.asarray(state['bad_B'])
-  if bad_B.any():
+  bad = [i for i, row in enumerate(rows) if row and row[-1] < 0]
+  if bad:
     raise FloatingPointError(
-        f'speculative_generate: the target or draft logits of row {int(np.argmax(bad_B))} '
-        'are not finite (NaN or inf), so no token can be chosen; check both models\' weights '
-        'for NaN/inf (e.g. jnp.isfinite on every parameter).')
-  out_BN = np.asarray(state['out_BN'])[:, :max_tokens]
-  for i, p in enumerate(plist):  # after a stop token, repeat it (rows keep a fixed width)
-    hits = np.flatnonzero(np.isin(out_BN[i], p.stop_tokens)) if p.stop_tokens else []
-    if len(hits):
-      out_BN[i, hits[0] + 1:] = out_BN[i, hits[0]]
+        f'speculative_generate: the target or draft logits of row {bad[0]} are not finite '
+        "(NaN or inf), so no token can be chosen; check both models' weights for NaN/inf "
+        '(e.g. jnp.isfinite on every parameter).')
+  out_BN = np.zeros((b, max_tokens + gamma + 1), np.int32)
+  for i, row in enumerate(rows):
+    out_BN[i, :len(row)] = row
+    out_BN[i, len(row):max_tokens] = row[-1]  # after a stop token, repeat it (one width)
   spec = SpecStats(gamma=gamma, rounds=int(totals['rounds']), tokens=int(totals['tokens']),
                    reached_G=np.asarray(totals['reached_G']),
                    accepted_G=np.asarray(totals['accepted_G']),
                    beta_sum_G=np.asarray(totals['beta_sum_G']),
                    kl_sum_G=np.asarray(totals['kl_sum_G']))
-  tokens = jnp.concatenate([prompt_BT, jnp.asarray(out_BN)], axis=1)
-  return (tokens, spec, state) if return_state else (tokens, spec)
+  tokens = jnp.concatenate([prompt_BT, jnp.asarray(out_BN[:, :max_tokens])], axis=1)
+  if not return_state:
+    return tokens, spec
+  return tokens, spec, dict(ctx, cur_B=loop.tok_B, gen_B=loop.count_B, out_BN=out_BN)
