@@ -7,11 +7,12 @@ the step (a model forward and a token choice, or a draft-verify round) and the l
 what is common to all of them, on the device: which rows are live, each row's count,
 last token, stop tokens and token limit, the tokens recorded for the host, and when to end.
 
-A step may emit 1..G tokens per row (a speculative round emits up to gamma + 1). A row
+A step may emit 1..X tokens per row (a speculative round emits up to gamma + 1). A row
 ends after a stop token (kept; later tokens of the same step are dropped), after a negative
 token (`validate.NON_FINITE`: the logits were not finite), or once it has no more than
 `room` tokens left to generate. Rows that are not live still run (fixed shapes); their
-outputs are discarded.
+outputs are discarded. Letters: K steps per block, X tokens a step may emit, W = K * X
+token columns a block records per row.
 """
 
 from __future__ import annotations
@@ -89,13 +90,13 @@ class Decoded:
   steps: jax.Array
 
 
-def _emit(state: LoopState, tok_BG, num_B):
+def _emit(state: LoopState, tok_BX, num_B):
   """(num_B, stopped_B): the tokens live rows emit (cut after the first stop or negative
   token among the step's num_B) and the rows that met one."""
-  g = tok_BG.shape[1]
-  j_G = jnp.arange(g)
-  stop_BG = jnp.any(tok_BG[..., None] == state.stop_BS[:, None, :], axis=-1) | (tok_BG < 0)
-  first_B = jnp.min(jnp.where(stop_BG & (j_G < num_B[:, None]), j_G, g), axis=1)
+  x = tok_BX.shape[1]
+  j_X = jnp.arange(x)
+  stop_BX = jnp.any(tok_BX[..., None] == state.stop_BS[:, None, :], axis=-1) | (tok_BX < 0)
+  first_B = jnp.min(jnp.where(stop_BX & (j_X < num_B[:, None]), j_X, x), axis=1)
   num_B = jnp.where(state.live_B, jnp.minimum(num_B, first_B + 1), 0)
   return num_B, state.live_B & (first_B < num_B)
 
@@ -105,20 +106,20 @@ def run_block(step: Callable[..., Any], state: LoopState, ctx: Any, block: int, 
   """Up to `block` (K) steps of the live rows in one `lax.while_loop`; call it under jit.
 
   Args:
-    step: `step(state, ctx) -> (tok_BG, extra_BG, num_B, carry, ctx)`, one step of every
-      row: G = `width` tokens per row of which the first num_B (1..G) are emitted, a float
+    step: `step(state, ctx) -> (tok_BX, extra_BX, num_B, carry, ctx)`, one step of every
+      row: X = `width` tokens per row of which the first num_B (1..X) are emitted, a float
       per token, the state's new carry and the caller's new context (caches, statistics).
     state: the rows' `LoopState`.
     ctx: a pytree the step threads (the KV caches, sums it keeps).
     block: K, the most steps to run (static).
-    width: G, the most tokens a step emits per row (static).
+    width: X, the most tokens a step emits per row (static).
     room: a row stays live only while it has more than `room` tokens left to generate
       (max_B - count_B > room), so a step emitting up to room + 1 tokens never passes
       max_B; with 0, a multi-token step may emit past max_B (the caller cuts).
     stop_early: a bool (traced): end the block as soon as some row stopped.
 
   Returns:
-    (decoded, ctx): the `Decoded` (tokens in W = K * G columns) and the step's last context.
+    (decoded, ctx): the `Decoded` (tokens in W = K * X columns) and the step's last context.
   """
   b, w = state.tok_B.shape[0], block * width
   count0_B = state.count_B
@@ -130,16 +131,16 @@ def run_block(step: Callable[..., Any], state: LoopState, ctx: Any, block: int, 
 
   def body(c):
     i, ctx, state, tok_BW, extra_BW, ended = c
-    tok_BG, extra_BG, num_B, carry, ctx = step(state, ctx)
-    tok_BG, extra_BG = tok_BG.astype(jnp.int32), extra_BG.astype(jnp.float32)
-    num_B, stopped_B = _emit(state, tok_BG, num_B.astype(jnp.int32))
+    tok_BX, extra_BX, num_B, carry, ctx = step(state, ctx)
+    tok_BX, extra_BX = tok_BX.astype(jnp.int32), extra_BX.astype(jnp.float32)
+    num_B, stopped_B = _emit(state, tok_BX, num_B.astype(jnp.int32))
     # Scatter-free writes: column w of row b takes the step's token w - offset_B[b].
     j_BW = col_W[None] - (state.count_B - count0_B)[:, None]
     put_BW = (j_BW >= 0) & (j_BW < num_B[:, None])
     j_BW = jnp.clip(j_BW, 0, width - 1)
-    tok_BW = jnp.where(put_BW, jnp.take_along_axis(tok_BG, j_BW, axis=1), tok_BW)
-    extra_BW = jnp.where(put_BW, jnp.take_along_axis(extra_BG, j_BW, axis=1), extra_BW)
-    last_B = jnp.take_along_axis(tok_BG, jnp.maximum(num_B - 1, 0)[:, None], axis=1)[:, 0]
+    tok_BW = jnp.where(put_BW, jnp.take_along_axis(tok_BX, j_BW, axis=1), tok_BW)
+    extra_BW = jnp.where(put_BW, jnp.take_along_axis(extra_BX, j_BW, axis=1), extra_BW)
+    last_B = jnp.take_along_axis(tok_BX, jnp.maximum(num_B - 1, 0)[:, None], axis=1)[:, 0]
     count_B = state.count_B + num_B
     live_B = state.live_B & ~stopped_B & (state.max_B - count_B > room)
     new = dataclasses.replace(state, tok_B=jnp.where(num_B > 0, last_B, state.tok_B),
