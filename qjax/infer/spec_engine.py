@@ -8,13 +8,17 @@ The draft (a quantized target, `layer_skip_draft`, any model of the same vocabul
 its own page pools, indexed by the target's block tables: the scheduler's pages hold both
 models' keys and values for the same positions. Every step that prefills (a chunk of a
 prompt, or a recompute after preemption) or admits a request runs as in `Engine`, and the
-draft is fed the same tokens. A step where every running sequence decodes is a round
-instead (one jitted function): the draft proposes gamma tokens per row (gamma + 1 draft
-steps: the last feeds its final proposal, so the draft cache never lags), the target scores
-[last token, d_1..d_gamma] in one forward, and `speculative_core.verify` accepts a prefix per
-row, so rows advance by different lengths (1 to gamma + 1 tokens). Nothing is rolled back on
-device: each row's cached length is host state, set at every step; slots past it are
-hidden by the causal mask and rewritten before any query reads them.
+draft is fed the same tokens. A step where every running sequence decodes runs rounds
+instead: up to `rounds_per_dispatch` of them in one dispatch, as steps of the library's one
+decode loop (`qjax.nn.decode_core.run_block`). In a round the draft proposes gamma tokens
+per row (gamma + 1 draft steps: the last feeds its final proposal, so the draft cache never
+lags), the target scores [last token, d_1..d_gamma] in one forward, and
+`speculative_core.verify` accepts a prefix per row, so rows advance by different lengths
+(1 to gamma + 1 tokens). Nothing is rolled back: each row's cached length is set by the host
+at every dispatch and advanced on the device by the tokens a round accepted; slots past it
+are hidden by the causal mask and rewritten before any query reads them. The loop ends a row
+at a stop token or once it has gamma tokens or fewer left (the plain steps finish it), and
+the dispatch as soon as one row ends, so the rounds are those of one round per dispatch.
 
 Exactness: tokens follow the target's processed distribution (greedy: token for token the
 target's greedy decoding). Sampled requests draw from separate random streams in rounds
@@ -36,16 +40,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qjax.infer import page_host, paged, speculative_core
+from qjax.infer import engine_block, page_host, paged, speculative_core
 from qjax.infer.engine import Engine, EngineConfig
 from qjax.infer.sampling import SamplingParams, processed_logits, row_keys
 from qjax.infer.speculative import _ACCEPT, _DRAFT, _FINAL, SpecStats, check_compatible
 from qjax.nn import validate
+from qjax.nn.decode_core import LoopState, run_block
 from qjax.nn.model_split import StaticGraphdef, merge
 from qjax.nn.attention import kv_format
 
 
-_TRACES = [0]  # how often `_feed` and `_round` were traced (= compiled), over every engine
+_TRACES = [0]  # how often `_feed` and `_rounds` were traced (= compiled), over every engine
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3,))
@@ -55,11 +60,8 @@ def _feed(dgraph, dstate, tokens_BT, dcache):
   return paged.forward(draft, tokens_BT, dcache)[1]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 4), donate_argnums=(5, 6))
-def _round(tgraph, tstate, dgraph, dstate, gamma, tcache, dcache, cur_B, gen_B, params):
+def _round(target, draft, gamma, tcache, dcache, cur_B, gen_B, params):
   """Draft gamma tokens per row, verify them with one target forward; see the docstring."""
-  _TRACES[0] += 1  # runs only while tracing
-  target, draft = merge(tgraph, tstate), merge(dgraph, dstate)
 
   def draft_step(carry, i):
     dcache, tok_B = carry
@@ -91,19 +93,75 @@ def _round(tgraph, tstate, dgraph, dstate, gamma, tcache, dcache, cur_B, gen_B, 
   return num_acc_B, tokens_BX, beta_BG, tcache, dcache
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2, 4, 5), donate_argnums=(6, 7))
+def _rounds(tgraph, tstate, dgraph, dstate, gamma, rounds, tcache, dcache, loop, params):
+  """Up to `rounds` rounds on `decode_core.run_block`: each row's cached length advances on
+  the device by the tokens it accepted. Returns (decoded, tcache, dcache, sums): per-row
+  sums of the rounds' statistics (`_round_sums`)."""
+  _TRACES[0] += 1  # runs only while tracing
+  target, draft = merge(tgraph, tstate), merge(dgraph, dstate)
+  b = loop.tok_B.shape[0]
+
+  def step(loop, ctx):
+    tcache, dcache, sums = ctx
+    live_B = loop.live_B.astype(jnp.int32)
+    length_B = tcache.length
+    tcache = dataclasses.replace(tcache, num_new=(gamma + 1) * live_B)
+    dcache = dataclasses.replace(dcache, length=length_B, num_new=live_B)
+    num_acc_B, tokens_BX, beta_BG, tcache, dcache = _round(
+        target, draft, gamma, tcache, dcache, loop.tok_B, loop.count_B, params)
+    length_B = length_B + live_B * (num_acc_B + 1)
+    tcache = dataclasses.replace(tcache, length=length_B)
+    dcache = dataclasses.replace(dcache, length=length_B)
+    ok_B = loop.live_B & (tokens_BX[:, 0] >= 0)
+    sums = jax.tree.map(jnp.add, sums, _round_sums(num_acc_B, beta_BG, ok_B))
+    zero_BX = jnp.zeros(tokens_BX.shape, jnp.float32)
+    return tokens_BX, zero_BX, num_acc_B + 1, loop.carry, (tcache, dcache, sums)
+
+  none_B = jnp.zeros((b,), jnp.int32)
+  zeros = _round_sums(none_B, jnp.zeros((b, gamma)), none_B > 0)
+  # Ending the block once a row stops (finished, or too near its max_tokens for a round)
+  # hands the host the decisions one round per dispatch would make: the same rounds.
+  out, (tcache, dcache, sums) = run_block(step, loop, (tcache, dcache, zeros), rounds,
+                                          width=gamma + 1, room=gamma, stop_early=True)
+  nothing_B = jnp.zeros_like(tcache.num_new)
+  return (out, dataclasses.replace(tcache, num_new=nothing_B),
+          dataclasses.replace(dcache, num_new=nothing_B), sums)
+
+
+def _round_sums(num_acc_B, beta_BG, ok_B):
+  """A round's statistics per row (rows `ok_B` count): rounds, tokens, reached, accepted
+  and 1 - TV summed over the draft positions a row reached."""
+  g_G = jnp.arange(beta_BG.shape[1])
+  reached_BG = (g_G <= num_acc_B[:, None]) & ok_B[:, None]
+  return dict(rounds_B=ok_B.astype(jnp.int32), tokens_B=jnp.where(ok_B, num_acc_B + 1, 0),
+              reached_BG=reached_BG.astype(jnp.int32),
+              accepted_BG=((g_G < num_acc_B[:, None]) & ok_B[:, None]).astype(jnp.int32),
+              beta_BG=jnp.where(reached_BG, beta_BG, 0.0))
+
+
+_GREEDY = SamplingParams(temperature=0.0)  # the parameters of an idle row
+
+
 class SpeculativeEngine(Engine):
   """`Engine` whose decode steps are speculative rounds with `draft` (module docstring)."""
 
   def __init__(self, model: nnx.Module, draft: nnx.Module,
-               config: Optional[EngineConfig] = None, tokenizer=None, *, gamma: int = 4):
+               config: Optional[EngineConfig] = None, tokenizer=None, *, gamma: int = 4,
+               rounds_per_dispatch: int = 1):
     """Args:
       model: the target `Transformer` (its distribution is the output's).
       draft: a `Transformer` of the same vocabulary; its own KV format is used.
       config: as `Engine` (ring pages are turned off; preemption must be 'recompute').
       tokenizer: as `Engine`.
       gamma: draft tokens per round (>= 1).
+      rounds_per_dispatch: R, the most rounds one dispatch runs while every row goes on
+        (pages are reserved for all of them); the host reads the tokens once per dispatch.
+        The rounds, and so the tokens, are those of R = 1 unless pages run short.
     """
     check_compatible(model, draft, gamma)
+    self.rounds_per_dispatch = validate.count(rounds_per_dispatch, 'rounds_per_dispatch',
+                                              'SpeculativeEngine')
     config = EngineConfig() if config is None else config
     if config.preemption != 'recompute':
       raise ValueError(f"SpeculativeEngine: preemption={config.preemption!r}; only "
@@ -152,7 +210,7 @@ class SpeculativeEngine(Engine):
                                   s.max_tokens - len(s.output) > self.gamma for s in live)
     if decoding:
       before = self.scheduler.preemptions
-      grown = all(self.scheduler.reserve(s, self.gamma + 1) for s in live)
+      grown = all(self.scheduler.reserve(s, self._positions(s)) for s in live)
       if grown and self.scheduler.preemptions == before:
         self.stats.host_s += time.perf_counter() - t0
         return self._speculate(plan)
@@ -160,52 +218,54 @@ class SpeculativeEngine(Engine):
     self.stats.host_s += time.perf_counter() - t0
     return self._run_plan(plan)
 
+  def _positions(self, seq) -> int:
+    """Positions `seq` may write in one dispatch: gamma + 1 per round while it has more than
+    gamma tokens left (the loop's `room`), so at most its max_tokens."""
+    return min(self.rounds_per_dispatch * (self.gamma + 1), seq.max_tokens - len(seq.output))
+
   def _speculate(self, plan) -> list[tuple[str, int]]:
     t0 = time.perf_counter()
-    b, g = self.config.max_batch, self.gamma
-    table = np.zeros((b, self.max_pages), np.int32)
-    length, cur, gen = (np.zeros(b, np.int32) for _ in range(3))
-    num_new = np.zeros(b, np.int32)
-    params = [SamplingParams(temperature=0.0)] * b
-    for row, seq in enumerate(plan.rows):
-      if seq is not None:
-        table[row, :len(seq.pages)] = seq.pages
-        length[row], cur[row], gen[row] = seq.num_cached, seq.tokens[-1], len(seq.output)
-        num_new[row], params[row] = 1, seq.params
-    page_host.check_step([s.id for s in plan.rows if s is not None], length[num_new > 0],
-                     (g + 1) * num_new[num_new > 0],
-                     [len(s.pages) for s in plan.rows if s is not None],
-                     self.config.page_size, self.max_len)
-    ring = np.zeros(self.cache.ring_table.shape, np.int32)
-    self.cache = paged.with_step(self.cache, table, ring, length, (g + 1) * num_new)
-    self.dcache = paged.with_step(self.dcache, table, np.zeros((b, 0)), length, num_new)
-    args = (jnp.asarray(cur), jnp.asarray(gen), self._sampling(params))
+    rows, g = plan.rows, self.gamma
+    live = [s for s in rows if s is not None]
+    host = engine_block.row_arrays(rows, self.max_pages, self.cache.ring_table.shape[1])
+    page_host.check_step([s.id for s in live], [s.num_cached for s in live],
+                         [self._positions(s) for s in live], [len(s.pages) for s in live],
+                         self.config.page_size, self.max_len)
+    num_new = host['live'].astype(np.int32)
+    self.cache = paged.with_step(self.cache, host['table'], host['ring'], host['length'],
+                                 (g + 1) * num_new)
+    b = len(rows)
+    self.dcache = paged.with_step(self.dcache, host['table'], np.zeros((b, 0)),
+                                  host['length'], num_new)
+    loop = LoopState(*(jnp.asarray(host[k]) for k in ('tok', 'position', 'max', 'stop',
+                                                      'live')))
+    params = self._sampling([s.params if s is not None else _GREEDY for s in rows])
     self.stats.host_s += time.perf_counter() - t0
-    num_acc, tokens, beta, self.cache, self.dcache = self._dispatch(
-        _round, self.graphdef, self.state, self.dgraph, self.dstate, g, self.cache,
-        self.dcache, *args)
-    num_acc, tokens, beta = self._fetch((num_acc, tokens, beta))
+    out, self.cache, self.dcache, sums = self._dispatch(
+        _rounds, self.graphdef, self.state, self.dgraph, self.dstate, g,
+        self.rounds_per_dispatch, self.cache, self.dcache, loop, params)
+    tok_BW, num_B, steps, sums = self._fetch((out.tok_BW, out.num_B, out.steps, sums))
     t0 = time.perf_counter()
-    self.stats.steps += 1
+    c = self._counts
+    for row in range(b):  # row by row, as one round per step books them
+      c['beta_sum_G'] += sums['beta_BG'][row]
+    c['rounds'] += int(sums['rounds_B'].sum())
+    c['tokens'] += int(sums['tokens_B'].sum())
+    c['reached_G'] += sums['reached_BG'].sum(0)
+    c['accepted_G'] += sums['accepted_BG'].sum(0)
+    self.stats.steps += int(steps)
+    self.stats.decode_tokens += int(sums['rounds_B'].sum())
     events = []
-    for row, seq in enumerate(plan.rows):
+    for row, seq in enumerate(rows):
       if seq is None:
         continue
-      n = int(num_acc[row])
-      if tokens[row, 0] < 0:  # non-finite logits: end it as the plain step does
-        self.scheduler.fail(seq)
-        continue
-      c = self._counts
-      c['rounds'] += 1
-      c['tokens'] += n + 1
-      c['reached_G'][:n + 1 if n < g else g] += 1
-      c['accepted_G'][:n] += 1
-      c['beta_sum_G'][:n + 1 if n < g else g] += beta[row, :n + 1 if n < g else g]
-      self.stats.decode_tokens += 1
-      seq.num_cached += n + 1
-      for tok in tokens[row, :n + 1].tolist():
-        seq.output.append(int(tok))
-        events.append((seq.id, int(tok)))
+      for tok in tok_BW[row, :num_B[row]].tolist():
+        if tok < 0:  # non-finite logits: end it as the plain step does
+          self.scheduler.fail(seq)
+          break
+        seq.num_cached += 1
+        seq.output.append(tok)
+        events.append((seq.id, tok))
         if self._finished(seq):
           seq.finished = True
           self.scheduler.release(seq)
