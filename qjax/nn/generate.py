@@ -257,8 +257,8 @@ def decode_loop(model: nnx.Module, cache: KVCache, state: LoopState, *,
 
   Returns:
     A `DecodeLoop`: iterating it yields, per block, (new_BK, extra_BK, num_B) on the host:
-    row b generated new_BK[b, :num_B[b]] in that block (a finished row repeats its last
-    token). Stop tokens end a row and are kept; a `NON_FINITE` token ends it too.
+    row b generated new_BK[b, :num_B[b]] in that block (later columns repeat its last
+    token, extra 0). Stop tokens end a row and are kept; a `NON_FINITE` token ends it too.
   """
   decode_block = validate.count(decode_block, 'decode_block', 'decode_loop')
   lengths = _host_lengths(cache)
