@@ -176,6 +176,8 @@ class Engine(engine_block.BlockDecoding):
     self.state = DecodeWeights(self.state)(self.state)
     self._resident = engine_block.Resident()
     self._inflight = None  # a decode block dispatched but not yet read (`engine_block`)
+    self._step_s = None  # estimated seconds per decode step (`engine_block._may_hold`)
+    self._fetched_at = 0.0  # when the last block's tokens were read (`engine_block`)
     self._batches: dict[tuple, SamplingBatch] = {}
     self.mesh = mesh
     self.stats = EngineStats()
@@ -347,6 +349,7 @@ class Engine(engine_block.BlockDecoding):
     b, p = self.config.max_batch, self.config.page_size
     tokens, layout, last = self._layout(plan)
     position, params = np.zeros(b, np.int32), [SamplingParams(temperature=0.0)] * b
+    prefill_before, compile_before = self.stats.prefill_tokens, self.stats.compile_s
     for row, (seq, n) in enumerate(zip(plan.rows, plan.num_new)):
       if seq is None or not n:
         continue
@@ -370,9 +373,12 @@ class Engine(engine_block.BlockDecoding):
     args = (jnp.asarray(tokens), self.cache, jnp.asarray(last), self._sampling(params),
             jnp.asarray(position), seen)
     self.stats.host_s += time.perf_counter() - t0
+    started = time.perf_counter()
     tok_B, logprob_B, self.cache = self._dispatch(_step, self.graphdef, self.state, *args)
     tok_B, logprob_B = self._fetch((tok_B, logprob_B))
     t0 = time.perf_counter()
+    if (self.stats.prefill_tokens, self.stats.compile_s) == (prefill_before, compile_before):
+      self._time_steps(started, 1)  # a decode step, not compiled: the estimate
     self._account(plan)
     logprobs = logprob_B.tolist()
     events = self.scheduler.complete(plan, tok_B.tolist(), self._finished)

@@ -23,6 +23,12 @@ blocks ahead, the next block is dispatched on the device's outputs of the curren
 the host reads the current one's tokens (the next `Engine.step` reads it). The device then
 runs block after block while the host books tokens; a request added meanwhile is admitted
 after the queued block.
+
+A request that arrives while a row is free would join at the next step without blocks, so
+with a free row a dispatch holds the engine at most `EngineConfig.admit_within_s` (K steps,
+or 2K with one queued, times the step time estimated from the decode dispatches timed so
+far); past it the engine runs single steps. K is one of two compiled sizes (K or 1), so the
+bound compiles nothing new.
 """
 
 from __future__ import annotations
@@ -151,9 +157,25 @@ class BlockDecoding:
       if (n != 1 or seq.num_pending != 1 or not seq.output or prm.stop_strings
           or prm.repetition_penalty != 1):
         return 1
-    if not self.scheduler.reserve_all(k):
+    if not self._may_hold(k) or not self.scheduler.reserve_all(k):
       return 1
     return k
+
+  def _may_hold(self, steps: int) -> bool:
+    """Whether one dispatch may hold the engine for `steps` decode steps: always while every
+    row is busy or a request waits (a finish then ends the block); with a free row, only
+    within `EngineConfig.admit_within_s` of the estimated step time."""
+    bound = self.config.admit_within_s
+    if (bound is None or self.scheduler.waiting
+        or len(self.scheduler.running) >= self.config.max_batch):
+      return True
+    return self._step_s is not None and steps * self._step_s <= bound
+
+  def _time_steps(self, started: float, steps: int) -> None:
+    """Fold a decode dispatch's wall time (dispatch to tokens read) into the step estimate."""
+    if steps:
+      s = (time.perf_counter() - started) / steps
+      self._step_s = s if self._step_s is None else 0.5 * (self._step_s + s)
 
   def _run_block(self, plan, k: int) -> list[tuple[str, int]]:
     """Up to `k` decode steps of every running row in one dispatch (`decode_block`)."""
@@ -181,16 +203,20 @@ class BlockDecoding:
     self.stats.arrays_sent += res.sent - sent0
     self.stats.arrays_kept += res.kept - kept0
     self.stats.host_s += time.perf_counter() - t0
+    compile_s, started = self.stats.compile_s, time.perf_counter()
     out = self._dispatch(decode_block, self.graphdef, self.state, cache, dev_rows, params, k,
                          stop_early)
     self.cache = out[0]
-    return self._finish_block(rows, host['table'], out, params, k, queue=not stop_early)
+    return self._finish_block(rows, host['table'], out, params, k, queue=not stop_early,
+                              started=started if self.stats.compile_s == compile_s else None)
 
-  def _finish_block(self, rows, table, out, params, k: int, queue: bool):
+  def _finish_block(self, rows, table, out, params, k: int, queue: bool, started=None):
     """Read the dispatched block `out` of `rows` (run with block table `table`) and book its
     tokens. First, with `queue` and no request waiting, when the pool gives the pages for
-    two blocks ahead, the next block of the same rows is dispatched from the device's own
-    outputs, so it runs while the host reads and books this one (`step` books it next)."""
+    two blocks ahead (and `_may_hold` allows two blocks), the next block of the same rows is
+    dispatched from the device's own outputs, so it runs while the host reads and books this
+    one (`step` books it next). `started`: when `out` began to run (its dispatch, or the
+    read of the block it was queued behind), for the step estimate; None: not timed."""
     t0 = time.perf_counter()
     res, b = self._resident, self.config.max_batch
     _, new_rows, tok_BK, lp_BK, num_B = out
@@ -203,7 +229,7 @@ class BlockDecoding:
     if (queue and running and not self.scheduler.waiting
         and len(running) == len(self.scheduler.running)
         and any(s.max_tokens - len(s.output) > k for s in running)  # not all done in `out`
-        and self.scheduler.reserve_all(2 * k)):
+        and self._may_hold(2 * k) and self.scheduler.reserve_all(2 * k)):
       page_host.check_step([s.id for s in running], [s.num_cached for s in running],
                            [min(2 * k, s.max_tokens - len(s.output)) for s in running],
                            [len(s.pages) for s in running], self.config.page_size,
@@ -220,6 +246,9 @@ class BlockDecoding:
     self.stats.host_s += time.perf_counter() - t0
     tok_BK, lp_BK, num_B = self._fetch((tok_BK, lp_BK, num_B))
     t0 = time.perf_counter()
+    if started is not None:
+      self._time_steps(started, int(np.max(num_B, initial=0)))
+    self._fetched_at = t0  # a block queued behind this one starts on the device about now
     events = self._complete_block(rows, tok_BK, lp_BK, num_B)
     if nxt is not None:
       self._inflight = (rows, next_table, nxt, params, k)
@@ -243,7 +272,8 @@ class BlockDecoding:
     """Book the block `_finish_block` queued (and maybe queue the one after it)."""
     rows, table, out, params, k = self._inflight
     self._inflight = None
-    return self._finish_block(rows, table, out, params, k, queue=True)
+    return self._finish_block(rows, table, out, params, k, queue=True,
+                              started=self._fetched_at)
 
   def _complete_block(self, rows, tok_BK, lp_BK, num_B) -> list[tuple[str, int]]:
     """Book a block's tokens as its steps would have, in step order."""

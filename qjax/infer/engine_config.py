@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from qjax.infer.scheduler import PREEMPTION_MODES
@@ -32,6 +33,13 @@ class EngineConfig:
     decode_block: K, the most decode steps one dispatch runs while every running request
       decodes (`qjax.infer.engine_block`); the host reads tokens once per block. 1: one step
       per dispatch.
+    admit_within_s: while a row is free and no request waits, the most decode time (seconds,
+      estimated from the decode steps timed so far) one dispatch, or a block and the one
+      queued behind it, may hold the engine, so that a request arriving meanwhile is admitted
+      no later; past it the engine runs single steps. Blocks of fast steps (an accelerator's
+      ms) stay on; a CPU step of ~0.1 s runs alone while a row is free. None: blocks whatever
+      they cost (with every row busy they always run: a finish ends a block when requests
+      wait).
   """
 
   max_batch: int = 4
@@ -45,6 +53,7 @@ class EngineConfig:
   preemption: str = 'recompute'
   prefill_budget: Optional[int] = None
   decode_block: int = 8
+  admit_within_s: Optional[float] = 0.05
 
   def __post_init__(self):
     if self.preemption not in PREEMPTION_MODES:
@@ -65,6 +74,11 @@ class EngineConfig:
                                             or self.prefill_budget < 1):
       raise ValueError(f'EngineConfig: prefill_budget={self.prefill_budget!r} must be a '
                        'positive integer (prompt tokens per step) or None (no budget).')
+    a = self.admit_within_s
+    if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float))
+                          or not math.isfinite(a) or a < 0):
+      raise ValueError(f'EngineConfig: admit_within_s={a!r} must be a finite number of '
+                       'seconds >= 0, or None (decode blocks whatever they cost).')
 
 
 @dataclasses.dataclass

@@ -100,8 +100,9 @@ def test_requests_added_while_a_block_is_queued(model):
   prompts = _prompts((4, 6, 5), seed=3)
   params = SamplingParams(temperature=0.0, max_tokens=14)
   want = _serve(model, 1, prompts, params)[0]
+  # A free row (3 rows, 2 requests): queued blocks whatever the step costs.
   engine = Engine(model, EngineConfig(max_batch=3, page_size=4, num_pages=40, chunk_size=8,
-                                      decode_block=4))
+                                      decode_block=4, admit_within_s=None))
   ids = [engine.add_request(p, params) for p in prompts[:2]]
   for _ in range(4):
     engine.step()
@@ -114,3 +115,38 @@ def test_requests_added_while_a_block_is_queued(model):
   assert [engine.output(i) for i in ids] == [want.output(str(i)) for i in range(3)]
   assert engine.generate(prompts[::-1], params) == [want.output(str(i)) for i in (2, 1, 0)]
   assert engine.allocator.num_free == 39
+
+
+def test_a_free_row_bounds_the_time_a_dispatch_holds_the_engine(model):
+  """With a free row and nothing waiting, a block (or a queued pair) runs only within
+  `admit_within_s` of the estimated step time: at 0 every decode step is its own dispatch;
+  with every row busy blocks run whatever the bound; the tokens never change."""
+  prompts = _prompts((4, 6), seed=5)
+  params = SamplingParams(temperature=0.0, max_tokens=13)
+  want = _serve(model, 1, prompts, params)[1]
+  for rows, bound, blocks in ((3, 0.0, False), (3, None, True), (2, 0.0, True)):
+    engine, got = _serve(model, 4, prompts, params, max_batch=rows, admit_within_s=bound)
+    st = engine.stats
+    assert got == want
+    assert (st.dispatches < st.steps) == blocks, (rows, bound, st.dispatches, st.steps)
+    assert engine._step_s is not None and engine._step_s > 0  # pylint: disable=protected-access
+
+
+def test_may_hold_compares_steps_times_the_estimate_with_the_bound(model):
+  engine = Engine(model, EngineConfig(max_batch=3, page_size=4, num_pages=40, chunk_size=8,
+                                      decode_block=4, admit_within_s=0.05))
+  engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20))
+  engine.step()  # admitted: one row busy, two free, nothing waiting
+  hold = engine._may_hold  # pylint: disable=protected-access
+  engine._step_s = None  # pylint: disable=protected-access
+  assert not hold(4)  # no estimate yet: single steps until one is timed
+  engine._step_s = 0.01  # pylint: disable=protected-access
+  assert hold(4) and hold(5) and not hold(6) and not hold(8)
+  engine.add_request([4, 5], SamplingParams(temperature=0.0, max_tokens=2))
+  assert hold(8)  # a request waits: a finish ends the block, so it may run
+
+
+@pytest.mark.parametrize('bad', [-0.1, float('nan'), float('inf'), True, '0.05'])
+def test_bad_admit_within_s_is_refused(bad):
+  with pytest.raises(ValueError, match='admit_within_s='):
+    EngineConfig(admit_within_s=bad)
