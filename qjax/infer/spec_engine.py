@@ -40,10 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qjax.infer import engine_block, page_host, paged, speculative_core
+from qjax.infer import engine_block, page_host, paged
 from qjax.infer.engine import Engine, EngineConfig
 from qjax.infer.sampling import SamplingParams, processed_logits, row_keys
-from qjax.infer.speculative import _ACCEPT, _DRAFT, _FINAL, SpecStats, check_compatible
+from qjax.infer.speculative import _DRAFT, SpecStats, check_compatible, verify_round
 from qjax.nn import validate
 from qjax.nn.decode_core import LoopState, run_block
 from qjax.nn.model_split import StaticGraphdef, merge
@@ -77,19 +77,10 @@ def _round(target, draft, gamma, tcache, dcache, cur_B, gen_B, params):
   draft_BG = d_XB[:gamma].swapaxes(0, 1)
   q_BGV = q_XBV[:gamma].swapaxes(0, 1)
   x_BXD, tcache = paged.forward(target, jnp.concatenate([cur_B[:, None], draft_BG], 1), tcache)
-  b, x = x_BXD.shape[:2]
-  logits_BXV = target.logits(x_BXD)
-  # Non-finite target or draft logits: the row's first token is NON_FINITE (the request ends
-  # with 'error'), never a draw from NaN.
-  finite_B = validate.finite_rows(logits_BXV.reshape(b, -1)) & jnp.all(finite_XB, axis=0)
-  p_BXV = processed_logits(logits_BXV.reshape(b * x, -1),
-                           jax.tree.map(lambda a: jnp.repeat(a, x), params)).reshape(b, x, -1)
-  uniform_BG = jax.vmap(lambda k: jax.random.uniform(k, (gamma,)))(
-      row_keys(params.seed_B, gen_B, _ACCEPT))
-  num_acc_B, tokens_BX, beta_BG = speculative_core.verify(
-      p_BXV, q_BGV, draft_BG, uniform_BG, row_keys(params.seed_B, gen_B, _FINAL))
-  num_acc_B = jnp.where(finite_B, num_acc_B, 0)
-  tokens_BX = tokens_BX.at[:, 0].set(jnp.where(finite_B, tokens_BX[:, 0], validate.NON_FINITE))
+  # Non-finite target or draft logits: the request ends with 'error' (NON_FINITE first).
+  num_acc_B, tokens_BX, beta_BG, _ = verify_round(
+      target.logits(x_BXD), q_BGV, draft_BG, params, gen_B, jnp.all(finite_XB, axis=0))
+  num_acc_B = jnp.where(tokens_BX[:, 0] == validate.NON_FINITE, 0, num_acc_B)
   return num_acc_B, tokens_BX, beta_BG, tcache, dcache
 
 

@@ -189,7 +189,6 @@ def _round(target, draft, gamma, params, loop, ctx):
   tcache, dcache = ctx['tcache'], ctx['dcache']
   cur_B, pend_B, has_pend_B = loop.tok_B, ctx['pending_B'], ctx['has_pending_B']
   gen_B, live_B = loop.count_B, loop.live_B
-  b = cur_B.shape[0]
 
   # Finished rows still run (fixed shapes) but keep their lengths; their writes go to slots
   # past the length, moved down where the cache would overflow (those rows are never read).
@@ -225,28 +224,14 @@ def _round(target, draft, gamma, params, loop, ctx):
   # The target scores cur and the gamma draft tokens in one forward.
   logits_BXV, tcache = target(jnp.concatenate([cur_B[:, None], draft_BG], axis=1),
                               cache=tcache)
-  x = gamma + 1
-  p_BXV = processed_logits(logits_BXV.reshape(b * x, -1),
-                           jax.tree.map(lambda a: jnp.repeat(a, x), params)).reshape(
-                               b, x, -1)
-  uniform_BG = jax.vmap(lambda k: jax.random.uniform(k, (gamma,)))(
-      row_keys(params.seed_B, gen_B, _ACCEPT))
-  num_acc_B, tokens_BX, beta_BG = speculative_core.verify(
-      p_BXV, q_BGV, draft_BG, uniform_BG, row_keys(params.seed_B, gen_B, _FINAL))
-  # (The uniforms and final key are per round start gen_B: a key is reused only by a later
-  # round at the same output position, whose history never depended on it.)
-
+  num_acc_B, tokens_BX, beta_BG, p_BXV = verify_round(
+      logits_BXV, q_BGV, draft_BG, params, gen_B, validate.finite_rows(logits_BV))
   kl_BG = speculative_core.kl_divergence(
       speculative_core.emitted_distribution(p_BXV[:, :gamma], q_BGV), p_BXV[:, :gamma])
   num_new_B = num_acc_B + 1
   full_B = num_acc_B == gamma
   new_t_len_B = jnp.where(live_B, t_len_B + num_new_B, t_len_B)
   new_d_len_B = jnp.where(live_B, new_t_len_B - full_B.astype(jnp.int32), d_len_B)
-  # A non-finite logit (target or draft) makes the round's tokens meaningless: the row's
-  # first token is NON_FINITE, which ends it.
-  finite_B = (validate.finite_rows(logits_BXV.reshape(b, -1)) &
-              validate.finite_rows(logits_BV))
-  tokens_BX = tokens_BX.at[:, 0].set(jnp.where(finite_B, tokens_BX[:, 0], validate.NON_FINITE))
   ctx = dict(tcache=dataclasses.replace(tcache, length=new_t_len_B),
              dcache=dataclasses.replace(dcache, length=new_d_len_B),
              pending_B=jnp.where(live_B, draft_BG[:, -1], pend_B),
@@ -258,6 +243,26 @@ def _round(target, draft, gamma, params, loop, ctx):
                beta_sum_G=jnp.sum(jnp.where(reached_BG, beta_BG, 0.0), 0),
                kl_sum_G=jnp.sum(jnp.where(reached_BG, kl_BG, 0.0), 0))
   return tokens_BX, num_new_B, ctx, stats
+
+
+def verify_round(logits_BXV, q_BGV, draft_BG, params, gen_B, draft_finite_B):
+  """Verify a round's gamma draft tokens against the target's logits over [cur, drafts]
+  (`speculative_core.verify` on the processed distributions, with the acceptance and final
+  streams of each row's keys at its round start gen_B). Returns (num_acc_B, tokens_BX,
+  beta_BG, p_BXV); a row whose target logits, or draft logits (`draft_finite_B`), were not
+  finite gets NON_FINITE as its first token, which ends it (never a draw from NaN)."""
+  b, x = logits_BXV.shape[:2]
+  p_BXV = processed_logits(logits_BXV.reshape(b * x, -1),
+                           jax.tree.map(lambda a: jnp.repeat(a, x), params)).reshape(b, x, -1)
+  uniform_BG = jax.vmap(lambda k: jax.random.uniform(k, (x - 1,)))(
+      row_keys(params.seed_B, gen_B, _ACCEPT))
+  # (The uniforms and final key are per round start gen_B: a key is reused only by a later
+  # round at the same output position, whose history never depended on it.)
+  num_acc_B, tokens_BX, beta_BG = speculative_core.verify(
+      p_BXV, q_BGV, draft_BG, uniform_BG, row_keys(params.seed_B, gen_B, _FINAL))
+  finite_B = validate.finite_rows(logits_BXV.reshape(b, -1)) & draft_finite_B
+  tokens_BX = tokens_BX.at[:, 0].set(jnp.where(finite_B, tokens_BX[:, 0], validate.NON_FINITE))
+  return num_acc_B, tokens_BX, beta_BG, p_BXV
 
 
 def _prefill(model, prompt_BT, cache):
