@@ -71,6 +71,10 @@ Measured (quick mode, idle, 2026-12-03, after the varlen step: one flat token li
   heavy-tailed trace (--config.quick_rows=16 --config.quick_requests=64; 10.5 min, RSS
   3.8 GB): 1.79x uniform, 2.28x heavy-tailed pooled (2.21-2.39 per seed: the >= 2x target
   met), waste 1.9-4.1%, prefix-hit TTFT 4.8x.
+Measured (quick mode, idle, 2026-12-05, a 2-core Intel Xeon, decode blocks and
+  admit_within_s, two runs; ~3.5 min): 1.40x / 1.45x uniform, 1.69x / 1.66x heavy-tailed
+  pooled, prefix-hit TTFT 5.6-5.7x; the 2026-12-03 code on the same machine: 1.44-1.45x,
+  1.64-1.65x, 5.2-5.4x (docs/engine.md).
 Expected result: continuous >= 2x static throughput (static runs every batch to its longest
   output); system-prompt requests' TTFT several times lower with prefix caching, outputs
   identical; int8 / int4 caches fit ~3.9x / ~7.8x the sequences of the float32 cache (~2x /
