@@ -3,7 +3,8 @@
 #   1. the test suite on the accelerator (`JAX_PLATFORMS=cuda` by default; tpu on a TPU VM),
 #      bounded by $SUITE_S seconds and interrupted with SIGINT so pytest still writes its
 #      junit XML and summary: suite.log, suite.xml;
-#   2. the device check (benchmarks/device_check.sh) bounded by its own --budget_s ($CHECK_S):
+#   2. the device check (benchmarks/device_check.sh), rows and attention section together
+#      bounded by its --budget_s ($CHECK_S; with SUITE_S, under a 600 s call):
 #      device_check/device_check.{json,md,png}.
 # A time-limited machine should run it once, with a timeout that leaves room for a second try.
 #

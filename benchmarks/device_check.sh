@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The device check on a machine with an accelerator: `python -m benchmarks.device_check` (its
 # docstring says what it measures) with its results under $OUT (default results/device_check):
-# device_check.json, device_check.md, device_check.png. On one H200 the rows end in under 6
-# minutes (--budget_s bounds the rows it starts), the attention section within
-# --attention_budget_s (150 s) more. Extra arguments go to the Python entry point.
+# device_check.json, device_check.md, device_check.png, in under 6 minutes: --budget_s
+# (340 s) bounds the whole check, rows and attention section together (a row starts only if
+# one as long as the longest so far still fits). Extra arguments go to the Python entry point.
 #
 # A machine without package registries (a lent accelerator) may lack ml-collections (qjax's
 # configs import it); carry it as a wheel in .whl/, made once on a machine with pip:

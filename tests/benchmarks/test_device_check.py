@@ -37,6 +37,19 @@ def test_smoke_run_writes_json_markdown_and_plot(tmp_path):
   assert '## Attention' in text and '### Paged decode attention' in text
 
 
+def test_the_budget_bounds_the_whole_check(tmp_path):
+  """--budget_s covers rows and attention: with none left for rows, every row is listed as
+  not run and the attention section gets what remains (here nothing)."""
+  saved = device_check.main(['--smoke', '--formats=bf16,int8', '--hf=no', '--threads=2',
+                             '--budget_s=0', '--attention_budget_s=5', f'--out={tmp_path}'])
+  assert saved['rows'] == [] and saved['not_run'] == [
+      'llama32_1b bf16', 'llama32_1b int8', 'gemma3_270m bf16', 'gemma3_270m int8']
+  att = saved['attention']
+  assert att['prefill'] == att['decode'] == [] and len(att['not_run']) == 4
+  text = (tmp_path / 'device_check.md').read_text()
+  assert 'Not run (time budget): llama32_1b bf16' in text
+
+
 def test_bad_names_fail_before_anything_runs(tmp_path):
   with pytest.raises(ValueError, match="model 'llama3' is unknown"):
     device_check.main(['--smoke', '--models=llama3', f'--out={tmp_path}'])
