@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.budget import Budget
 from qjax.infer import init_paged_cache, with_step
 from qjax.infer.paged_kernel import attention_form
 from qjax.nn import TransformerConfig, attend_blockwise
@@ -171,10 +172,10 @@ def measure(*, smoke: bool, models=MODELS, contexts=None, batch: Optional[int] =
   out = {'prefill': [], 'decode': [], 'not_run': [], 'batch': batch, 'page_size': PAGE_SIZE}
   todo = [row for m in models for c in contexts
           for row in [('prefill', m, c, None)] + [('decode', m, c, kv) for kv in kvs]]
-  longest = 0.0
+  budget = Budget(budget_s)
   for i, (what, m, c, kv) in enumerate(todo):
     cell_start = time.perf_counter()
-    if cell_start - start + longest >= budget_s:
+    if not budget.fits():
       out['not_run'] = [' '.join(str(x) for x in row if x) for row in todo[i:]]
       break
     cfg = layer_config(m, smoke)
@@ -183,7 +184,7 @@ def measure(*, smoke: bool, models=MODELS, contexts=None, batch: Optional[int] =
              decode_cells(cfg, c, batch, kv, reps, hbm_bw))
     out[what].append(dict(model=m, context=c, kv=kv, **cells))
     jax.clear_caches()
-    longest = max(longest, time.perf_counter() - cell_start)
+    budget.ran(cell_start)
   out['wall_s'] = time.perf_counter() - start
   return out
 

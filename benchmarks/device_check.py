@@ -68,6 +68,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import attention_timing
+from benchmarks.budget import Budget
 from qjax import costmodel, fp8_format, int_format
 from qjax.core import choose_path, layouts
 from qjax.eval import memory as qmemory
@@ -500,11 +501,11 @@ def main(argv=None) -> dict:
   result = {'environment': environment(), 'protocol': dataclasses.asdict(p), 'rows': [],
             'hf': hf_why or 'run', 'not_run': [], 'smoke': a.smoke}
   json_path = os.path.join(a.out, 'device_check.json')
+  budget = Budget(a.budget_s)
   rows_until = a.budget_s - (a.attention_budget_s if a.attention == 'yes' else 0.0)
-  longest = 0.0  # the longest row so far: a row starts only if one as long still fits
   for i, (m, f) in enumerate(todo):
     row_start = time.perf_counter()
-    if row_start - start + longest > rows_until:
+    if not budget.fits(rows_until):
       result['not_run'] = [f'{m} {f}' for m, f in todo[i:]]
       break
     print(f'device_check: {m} {f} ...', flush=True)
@@ -520,13 +521,13 @@ def main(argv=None) -> dict:
       json.dump(result, fh, indent=1, default=str)
     jax.clear_caches()
     gc.collect()
-    longest = max(longest, time.perf_counter() - row_start)
+    budget.ran(row_start)
   if a.attention == 'yes':
     print('device_check: attention ...', flush=True)
     chip = chip_for(jax.devices()[0])
     result['attention'] = attention_timing.measure(
         smoke=a.smoke, models=models, kvs=('int8',) if a.smoke else ('int8', 'bf16'),
-        budget_s=max(0.0, a.budget_s - (time.perf_counter() - start)),
+        budget_s=max(0.0, a.budget_s - budget.elapsed()),
         hbm_bw=chip and chip.hbm_bw)
   result['wall_s'] = time.perf_counter() - start
   with open(json_path, 'w') as fh:
