@@ -293,13 +293,14 @@ class Engine(engine_requests.Requests, engine_block.BlockDecoding):
     b, p = self.config.max_batch, self.config.page_size
     tokens, layout, last = self._layout(plan)
     position, params = np.zeros(b, np.int32), [SamplingParams(temperature=0.0)] * b
-    prefill_before, compile_before = self.stats.prefill_tokens, self.stats.compile_s
+    decode_only = True  # every fed row decodes: the step's time estimates a decode step
     for row, (seq, n) in enumerate(zip(plan.rows, plan.num_new)):
       if seq is None or not n:
         continue
       position[row], params[row] = len(seq.output), seq.params
       if len(seq.tokens) - seq.num_cached > 1 or not seq.output:
         self.stats.prefill_tokens += n
+        decode_only = False
       else:
         self.stats.decode_tokens += n
     live = [(s, n) for s, n in zip(plan.rows, plan.num_new) if s is not None and n]
@@ -317,12 +318,12 @@ class Engine(engine_requests.Requests, engine_block.BlockDecoding):
     args = (jnp.asarray(tokens), self.cache, jnp.asarray(last), self._sampling(params),
             jnp.asarray(position), seen)
     self.stats.host_s += time.perf_counter() - t0
-    started = time.perf_counter()
+    compile_s, started = self.stats.compile_s, time.perf_counter()
     tok_B, logprob_B, self.cache = self._dispatch(_step, self.graphdef, self.state, *args)
     tok_B, logprob_B = self._fetch((tok_B, logprob_B))
     t0 = time.perf_counter()
-    if (self.stats.prefill_tokens, self.stats.compile_s) == (prefill_before, compile_before):
-      self._time_steps(started, 1)  # a decode step, not compiled: the estimate
+    if decode_only and self.stats.compile_s == compile_s:  # not compiled in this call
+      self._time_steps(started, 1)
     self._account(plan)
     logprobs = logprob_B.tolist()
     events = self.scheduler.complete(plan, tok_B.tolist(), self._finished)
