@@ -196,19 +196,23 @@ def _cell(c: dict) -> str:
   return f"{c['form']} {c['ms']:.3g} ms, temp {c['temp_bytes'] / 2**20:.3g} MiB{frac}"
 
 
+def _speedup(r: dict) -> str:
+  return f"{r['speedup']:.2f}" if 'speedup' in r else '-'
+
+
 def markdown(result: dict) -> str:
   """The tables of one `measure` result."""
   lines = ['### Prefill attention (one global layer, batch 1)', '',
            '| model | T | before | after | speedup |', '|---|---|---|---|---|']
   for r in result['prefill']:
     lines.append(f"| {r['model']} | {r['context']} | {_cell(r['before'])} | "
-                 f"{_cell(r['after'])} | {r.get('speedup', float('nan')):.2f} |")
+                 f"{_cell(r['after'])} | {_speedup(r)} |")
   lines += ['', f"### Paged decode attention (one global layer, batch {result['batch']}, "
             f"page {result['page_size']})", '',
             '| model | context | KV | before | after | speedup |', '|---|---|---|---|---|---|']
   for r in result['decode']:
     lines.append(f"| {r['model']} | {r['context']} | {r['kv']} | {_cell(r['before'])} | "
-                 f"{_cell(r['after'])} | {r.get('speedup', float('nan')):.2f} |")
+                 f"{_cell(r['after'])} | {_speedup(r)} |")
   if result['not_run']:
     lines += ['', 'Not run (budget): ' + ', '.join(result['not_run'])]
   return '\n'.join(lines) + '\n'

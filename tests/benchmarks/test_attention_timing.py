@@ -26,6 +26,7 @@ def test_smoke_run_writes_json_and_markdown(tmp_path):
     assert r['kv_bytes_read'] > 0
   text = (tmp_path / 'attention_timing.md').read_text()
   assert '| gemma3_270m | 64 | int8 | scan' in text and 'not timed' in text
+  assert 'nan' not in text  # an untimed cell has no speedup, written '-'
 
 
 def test_unknown_model_fails_before_anything_runs(tmp_path):
