@@ -8,9 +8,9 @@ compared: the relative weight error ||dW|| / ||W|| (what the MSE search minimise
 relative output error tr(dW^T H dW) / tr(W^T H W), H = 2 X^T X / n from the float model's
 inputs of that layer on `--windows` 512-token WikiText-2 windows after the evaluated ones
 (the Gemma PTQ sweep's calibration split, `qjax.pipeline.gemma`). Prints, per GGUF source
-type, the mean of both errors for both methods and the fraction of layers where MSE lowers the weight error
-but raises the output error. A last column checks that the file's Q4_K tensors already sit
-on a 4-bit grid per 32 weights (so 4-bit group-32 re-quantization looks unrealistically good
+type, the mean of both errors for both methods and the fraction of layers where MSE lowers the
+weight error but raises the output error. A last column checks that the file's Q4_K tensors already
+sit on a 4-bit grid per 32 weights (so 4-bit group-32 re-quantization looks unrealistically good
 on them; the README's Gemma section reports per source type for that reason): the relative
 weight error of asymmetric int4 with groups of 32 (Q4_K's own block
 size), which should be near zero on them alone. Run time: ~5 min on 2 cores.
@@ -83,7 +83,7 @@ def main(argv):
         'output err MSE | MSE lower weight err, higher output err | weight err int4 asym g32 |')
   print('|---|---|---|---|---|---|---|---|')
   for kind, rs in sorted(by.items()):
-    mean = lambda k: np.mean([r[k] for r in rs])
+    mean = lambda k, rs=rs: np.mean([r[k] for r in rs])
     flip = np.mean([(r['w_mse'] < r['w_absmax']) and (r['out_mse'] > r['out_absmax'])
                     for r in rs])
     print(f"| {kind} | {len(rs)} | {mean('w_absmax'):.4f} | {mean('w_mse'):.4f} | "

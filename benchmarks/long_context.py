@@ -183,7 +183,8 @@ def main(_):
   out.write_text(json.dumps(dict(
       seq_len=t, corpus=_CORPUS.value, block=_BLOCK.value, buckets=buckets,
       ppl=float(np.exp(nll.mean())), first_window_max_abs_delta_nll=delta,
-      peak_rss_gib=rss_run, rss_after_load_gib=rss_loaded, forward_peak_rss_gib=forward_peak, forward_seconds=run_s,
+      peak_rss_gib=rss_run, rss_after_load_gib=rss_loaded, forward_peak_rss_gib=forward_peak,
+      forward_seconds=run_s,
       compiled_temp_bytes={str(k): v for k, v in sizes.items()},
       load_average=os.getloadavg(), seconds=time.perf_counter() - t0), indent=1))
   print(f'wrote {out}')

@@ -10,8 +10,8 @@ the activations of the prefill (`--prompt` tokens) and decode steps: the planner
 and its compiled prediction (the step compiled from shapes alone, no weights built) against
 XLA's memory analysis of the built model's step (temp + unaliased output).
 
-Then the context limit under `--budget_gib` at each of `--context_batches` for float, RTN int8 (embedding float),
-int4 g128 (embedding float: the bytes of the GPTQ int4 g128 point) and, with
+Then the context limit under `--budget_gib` at each of `--context_batches` for float, RTN int8
+(embedding float), int4 g128 (embedding float: the bytes of the GPTQ int4 g128 point) and, with
 `--mixed_from` (a validation report holding a `mixed_precision.assignment`), that mixed
 policy: the estimate's and the compiled planner's longest context, then the built model's
 decode step compiled and run once there (`qjax.eval.validation.context_limit`).
@@ -136,7 +136,8 @@ def _md(rows, ctx) -> str:
   for r in rows:
     lines.append(
         f"| {r['policy']} | {r['batch']} | {r['weights_predicted'] / 1e6:.2f} / "
-        f"{r['weights_measured'] / 1e6:.2f} MB ({r['weights_predicted'] / r['weights_measured']:.4f})"
+        f"{r['weights_measured'] / 1e6:.2f} MB "
+        f"({r['weights_predicted'] / r['weights_measured']:.4f})"
         f" | {r['kv_predicted'] / 1e6:.2f} / {r['kv_measured'] / 1e6:.2f} MB "
         f"({r['kv_predicted'] / r['kv_measured']:.4f}) | {r['prefill_estimate'] / 1e6:.1f} / "
         f"{r['prefill_compiled'] / 1e6:.1f} / {r['prefill_xla'] / 1e6:.1f} | "
@@ -148,7 +149,8 @@ def _md(rows, ctx) -> str:
               '|---|---|---|---|---|---|---|---|---|---|']
     for c in ctx:
       lines.append(
-          f"| {c['policy']} | {c['batch']} | {c['budget_bytes'] / 2**30:.3g} GiB | {c['estimate_max_context']} "
+          f"| {c['policy']} | {c['batch']} | {c['budget_bytes'] / 2**30:.3g} GiB | "
+          f"{c['estimate_max_context']} "
           f"| {c['predicted_max_context']} | {c.get('predicted_bytes', 0) / 2**30:.4f} GiB | "
           f"{c.get('compiled_bytes', 0) / 2**30:.4f} GiB | {c.get('prediction_error', 0):+.2%} | "
           f"{c.get('confirmed')} | {c.get('run_peak_rss_above_start', 0) / 1e6:.0f} MB |")

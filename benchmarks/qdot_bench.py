@@ -4,8 +4,8 @@ Run:  make bench   (or: .venv/bin/python -m benchmarks.qdot_bench [--d=4096] [--
 Check first that nothing else runs on the machine (`uptime`): a concurrent process skews
 timings several-fold. The paths are timed round-robin (a short block of calls of each per
 round) and each ratio is the median over rounds of (path time / f32 time in the same round),
-so load that drifts during the run hits numerator and denominator alike. For each M (rows of activations)
-it prints, per path, that ratio, the median time, bytes read per call (weight storage +
+so load that drifts during the run hits numerator and denominator alike. For each M (rows of
+activations) it prints, per path, that ratio, the median time, bytes read per call (weight storage +
 activations), effective GB/s and the temporary memory XLA allocates for the compiled call
 (`memory_analysis()`): a path whose temp is ~4*D*D bytes materialises a float copy of the
 weight. Rows marked * are what `path='auto'` runs on this backend.

@@ -12,9 +12,9 @@ itself gives 54.15 / 32.45 with the same ids): tokenize the whole file once with
 tokenizer (HF's ids: WikiText-2's 11,718 literal `<unk>` become the special id 3, where
 llama.cpp spells them out as text; the ids start with BOS), cut non-overlapping 512-token
 windows, overwrite the first token of every window with BOS (a no-op for the first), and
-score the first 8 windows (8 x 511 = 4,088 predicted tokens). The alternative cut, BOS + 511 fresh tokens per window
-(`bos_mode='prepend'`, no token skipped), gives 54.40 / 32.44: the protocol matters more
-than the 0.5% tolerance, so compare only like with like.
+score the first 8 windows (8 x 511 = 4,088 predicted tokens). The alternative cut, BOS + 511 fresh
+tokens per window (`bos_mode='prepend'`, no token skipped), gives 54.40 / 32.44: the protocol
+matters more than the 0.5% tolerance, so compare only like with like.
 
 Expected metric (measured 2026-11-29): float ppl Tiny Shakespeare 53.845, WikiText-2 valid
 32.271 (HF fp32 on the dequantized GGUF: 53.84 / 32.27; pass within 0.5%); RTN with the tied

@@ -1,6 +1,7 @@
 r"""QLoRA on Gemma 3 270M: adapters on a frozen int4 g128 base, fine-tuned on Tiny Shakespeare.
 
-Points (`sweep()` sets `point.kind` and overrides; rows of results.jsonl, resumable: finished points are skipped):
+Points (`sweep()` sets `point.kind` and overrides; rows of results.jsonl, resumable: finished
+points are skipped):
   float                       the float base (GGUF dequantized to f32)
   base-rtn-int4-g128          the base quantized by RTN, int4 groups of 128 (tied embedding /
                               head kept float, as in the PTQ sweep)

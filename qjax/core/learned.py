@@ -164,7 +164,8 @@ def init_learned(w: jax.Array, fmt: QFormat, init: Union[None, str, tuple, QArra
     if tuple(scale.shape) != want:
       raise ValueError(f'init_learned: the range given for a {fmt.name} weight of shape '
                        f'{tuple(w.shape)} has shape {tuple(scale.shape)}, expected {want} (the '
-                       'scale layout: the weight\'s rank, one value per tile, as compute_range returns).')
+                       'scale layout: the weight\'s rank, one value per tile, as compute_range '
+                       'returns).')
   scale, zp = raw_for(scale, zp, fmt)
   return scale.astype(jnp.float32), None if zp is None else jnp.asarray(zp, jnp.float32)
 

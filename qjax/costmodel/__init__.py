@@ -22,16 +22,17 @@ from qjax.costmodel._models import MODELS, ModelShape, TotalsShape, get_model, m
 from qjax.costmodel._paper import TABLE1, TABLE2, PaperRow
 from qjax.costmodel._planner import (Plan, all_layouts, max_context_len, mesh_factorizations,
                                      plan)
-from qjax.costmodel._roofline import (COMBINE_RULES, COMBINE_TEXT, PHASES, Efficiency, Estimate, LayerCost,
-                                      Memory, Workload, estimate)
+from qjax.costmodel._roofline import (COMBINE_RULES, COMBINE_TEXT, PHASES, Efficiency, Estimate,
+                                      LayerCost, Memory, Workload, estimate)
 
 __all__ = [
     'ATTN_LAYOUTS', 'CHIPS', 'COMBINE_RULES', 'COMBINE_TEXT', 'TotalsShape', 'chip_from_spec',
     'model_from_spec', 'Chip', 'Collective', 'Efficiency', 'Estimate',
     'FFN_LAYOUTS', 'INTERCONNECTS', 'LayerCost', 'Layout', 'MODELS', 'Memory', 'Mesh',
     'ModelShape', 'PHASES', 'PaperRow', 'Plan', 'ShardPlan', 'TABLE1', 'TABLE2', 'Workload',
-    'all_layouts', 'as_layout', 'as_mesh', 'collective_seconds', 'comm_1d_ws', 'comm_2d_ws', 'comm_2d_ws_optimal',
-    'comm_weight_gathered', 'critical_batch', 'estimate', 'get_chip', 'get_model',
-    'group_bandwidth', 'layer_collectives', 'max_context_len', 'mesh_factorizations', 'model_flops_utilization',
+    'all_layouts', 'as_layout', 'as_mesh', 'collective_seconds', 'comm_1d_ws', 'comm_2d_ws',
+    'comm_2d_ws_optimal', 'comm_weight_gathered', 'critical_batch', 'estimate', 'get_chip',
+    'get_model', 'group_bandwidth', 'layer_collectives', 'max_context_len', 'mesh_factorizations',
+    'model_flops_utilization',
     'optimal_2d_x', 'optimal_gather_n', 'plan', 'shard_plan',
 ]

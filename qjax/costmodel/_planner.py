@@ -88,7 +88,7 @@ def plan(model, chip, workload: _roofline.Workload, n_chips, phase: str = 'decod
          layouts: Optional[Sequence] = None, meshes: Optional[Sequence] = None,
          objective: str = 'latency', max_step_latency_s: Optional[float] = None,
          interconnect: str = 'all_links', combine: str = 'serial',
-         efficiency: _roofline.Efficiency = _roofline.Efficiency(),
+         efficiency: _roofline.Efficiency = _roofline.Efficiency(),  # noqa: B008 (frozen)
          pad_heads: bool = True, require_fit: bool = True,
          pad_kv_heads: bool = False) -> Plan:
   """Finds the layout and mesh with the best objective that fits in HBM.

@@ -202,8 +202,8 @@ def check_fits(cache: KVCache, num_new: int) -> None:
   """Raise if `num_new` more positions cannot fit in every row.
 
   With concrete lengths the check runs here; with traced ones (inside `jit`) it is skipped:
-  the step functions check on the host before they dispatch the jitted step. Where this process does not hold every row (multi-process),
-  only `num_new` is checked.
+  the step functions check on the host before they dispatch the jitted step. Where this process
+  does not hold every row (multi-process), only `num_new` is checked.
   """
   if cache.length.shape != (cache.batch,):
     raise ValueError(f'KV cache: length has shape {cache.length.shape}, but a cache of batch '

@@ -20,8 +20,8 @@ from qjax.pipeline import finetune, finetune_qat
 from qjax.pipeline.manifest import (provenance, provenance_changes, read_manifest,
                                     verify_checkpoint)
 from qjax.pipeline.ptq import (FloatReference, base_checkpoint_hash, calibration_set,
-                               check_exempt, evaluate, format_label, make_policy, point_name, quantize,
-                               quantize_and_evaluate, resolved_path, save_and_verify)
+                               check_exempt, evaluate, format_label, make_policy, point_name,
+                               quantize, quantize_and_evaluate, resolved_path, save_and_verify)
 from qjax.pipeline.qat import (QAT_COLUMNS, QAT_METHODS, kv_name, load_teacher, qat_point,
                                qat_point_name, recovered, run_qat_sweep, train_loop)
 from qjax.pipeline.sweeps import apply_overrides, load_sweep, run_ptq_sweep, sweep_point_name

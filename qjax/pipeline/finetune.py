@@ -24,6 +24,7 @@ point's memory holds no float copy of the base (`FinetuneContext`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Callable, Optional
@@ -320,7 +321,8 @@ def export_point(ctx: FinetuneContext, c, out_dir: str) -> dict:
   try:
     row = {'base_format': ptq.format_label(c.quant), 'base_method': c.quant.method,
            'rank': c.lora.rank, 'alpha': c.lora.alpha, 'adapters_dir': adapters,
-           'base_ppl': base_ppl, 'ppl': record['adapted_ppl'], 'adapters_sha256': record['content_sha256'],
+           'base_ppl': base_ppl, 'ppl': record['adapted_ppl'],
+           'adapters_sha256': record['content_sha256'],
            'adapted_layers': sorted(record['adapters']), 'export_method': c.export.method}
     merged = lora.merge_adapters(model)
   finally:
@@ -338,7 +340,7 @@ def full_point(ctx: FinetuneContext, c, log=print) -> dict:
   ctx.drop_float()
   opt = nnx.Optimizer(fm, _tx(fc), wrt=nnx.Param)
   t0 = time.perf_counter()
-  stats = run_steps(lambda b: qtrain.qat_step(fm, opt, b), ctx, fc, log)
+  stats = run_steps(functools.partial(qtrain.qat_step, fm, opt), ctx, fc, log)
   n = sum(int(a.size) for a in jax.tree.leaves(nnx.state(fm, nnx.Param)))
   row = {'base_format': f'float ({fc.dtype})', **stats,
          'train_seconds': time.perf_counter() - t0, 'trainable_params': n, 'ppl': ctx.ppl(fm)}

@@ -45,7 +45,8 @@ def _groups(line: str) -> Optional[list]:
   """The replica groups of one HLO instruction as lists of ids, or None if unparsed."""
   m = _EXPLICIT.search(line)
   if m:
-    return [[int(i) for i in g.split(',') if i] for g in re.findall(r'\{([\d,]*)\}', m.group(1)[1:-1])]
+    groups = re.findall(r'\{([\d,]*)\}', m.group(1)[1:-1])
+    return [[int(i) for i in g.split(',') if i] for g in groups]
   m = _IOTA.search(line)
   if m:
     g, s = int(m.group(1)), int(m.group(2))

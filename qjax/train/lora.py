@@ -315,8 +315,8 @@ def merge_adapters(model: nnx.Module, dtype=None, dequantize_all: bool = True) -
 
   Merged layers get a float weight w + (alpha / r) A B (a quantized base is dequantized
   first, a fake-quantized one is fake-quantized and loses its training fields: the merged
-  weight is a new float weight, to re-quantize with any qjax method). This is the export step: the float copy is
-  its output, and `model` is left untouched.
+  weight is a new float weight, to re-quantize with any qjax method). This is the export step: the
+  float copy is its output, and `model` is left untouched.
 
   Args:
     model: a model from `apply_adapters`.

@@ -35,7 +35,7 @@ def test_absmean_streams_in_batches():
 
 
 def test_output_error_is_the_per_token_output_mse():
-  x, w = correlated_inputs(m=200, d=64), weight(64, 16)
+  x = correlated_inputs(m=200, d=64)
   dw = weight(64, 16, seed=5) * 0.01
   h, _ = hessian_update(None, x, 0)
   np.testing.assert_allclose(output_error(dw, h), jnp.sum((x @ dw) ** 2) / 200, rtol=1e-4)

@@ -43,7 +43,7 @@ def _gguf_tensors(cfg: TransformerConfig, params: dict) -> dict[str, np.ndarray]
            'ffn_norm': 'pre_mlp_norm', 'post_ffw_norm': 'post_mlp_norm',
            'attn_q_norm': 'attn/q_norm', 'attn_k_norm': 'attn/k_norm'}
   for i in range(cfg.num_layers):
-    p = lambda k: params[f'layers/{i}/{k}']  # pylint: disable=cell-var-from-loop
+    p = lambda k, i=i: params[f'layers/{i}/{k}']
     for g, q in norms.items():
       out[f'blk.{i}.{g}.weight'] = p(f'{q}/scale') + 1
     d = cfg.d_model

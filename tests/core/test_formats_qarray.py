@@ -1,5 +1,7 @@
 """Formats, quantize/dequantize, QArray pytree behaviour and the seed's golden numbers."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -45,7 +47,7 @@ def test_format_is_hashable_and_frozen():
   a, b = int_format(4, group_size=128, channel_axes=(1,)), int_format(4, group_size=128,
                                                                        channel_axes=[1])
   assert a == b and hash(a) == hash(b) and len({a, b}) == 1
-  with pytest.raises(Exception):
+  with pytest.raises(dataclasses.FrozenInstanceError):
     a.bits = 8
   assert a.name == 'int4-g128-ch1'
 

@@ -1,4 +1,5 @@
-"""Speculative decoding: greedy identity, exactness of the sampled distribution, theory, rollback."""
+"""Speculative decoding: greedy identity, exactness of the sampled distribution, theory,
+rollback."""
 
 import jax
 import jax.numpy as jnp

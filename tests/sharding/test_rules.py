@@ -139,5 +139,6 @@ def test_quantized_weight_leaves_follow_the_logical_axes(eight_devices):
   assert w.scale.shape == (1, 256) and w.scale.sharding.spec == P(None, ('z', 'y'))
   coarse, _ = quantize_model(lib.model(1), QuantPolicy((QuantRule(
       '.*mlp/(gate|up)_proj', int_format(4, group_size=32)),)))
-  with pytest.raises(ValueError, match=r'gate_proj/w scales dim 0 \(size 2\) is split over mesh axes x=4'):
+  with pytest.raises(ValueError,
+                     match=r'gate_proj/w scales dim 0 \(size 2\) is split over mesh axes x=4'):
     sharding.ShardedTransformer(coarse, sharding.make_mesh('4x2x1'), '2d_ws+mq_batch')

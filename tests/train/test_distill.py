@@ -78,7 +78,7 @@ def test_a_smaller_student_learns_from_the_teacher():
   student = Transformer(scfg, rngs=nnx.Rngs(1))
   opt = make_qat_optimizer(student, make_optimizer(1e-2, 20, 1))
   first = last = None
-  for i in range(8):
+  for _ in range(8):
     _, aux = distill_step(student, opt, teacher, _batch(0), alpha=0.0, temperature=1.0)
     first = float(aux['kl']) if first is None else first
     last = float(aux['kl'])

@@ -241,7 +241,8 @@ def test_qat_starts_from_per_layer_ranges(model):
   qat, _ = prepare_qat(model, pol, learn_scales=True, ranges={UP: (lo, hi)})
   np.testing.assert_allclose(learned_scales(qat)[UP][0], scale_and_zero_point(lo, hi, fmt)[0],
                              rtol=3e-7)
-  with pytest.raises(ValueError, match=r'has shape \(1, 64\), expected \(2, 64\) \(the scale layout'):
+  with pytest.raises(ValueError,
+                     match=r'has shape \(1, 64\), expected \(2, 64\) \(the scale layout'):
     prepare_qat(model, pol, learn_scales=True, ranges={UP: (lo[:1], hi[:1])})
 
 
