@@ -72,11 +72,14 @@ def attention_form(pool, t: int, on: Optional[str] = None,
   if mode == 'kernel':
     return PagedForm('kernel', backend, 'QJAX_PAGED_ATTENTION=kernel')
   if on in ('nvidia', 'tpu'):
+    from qjax.kernels import paged_attention as pa  # pylint: disable=g-import-not-at-top
     devices = devices or jax.device_count()
     if devices > 1:
       return PagedForm('scan', None, f'{devices} devices: pools may be sharded, '
                        'and the kernel runs on one device (QJAX_PAGED_ATTENTION=kernel forces '
                        'it)')
+    if not pa.backend_available(backend):
+      return PagedForm('scan', None, f'jax {jax.__version__} has no Pallas {backend} backend')
     return PagedForm('kernel', backend, f'{on}: Pallas paged attention ({backend})')
   return PagedForm('scan', None, f'{on}: gather + online softmax in XLA')
 

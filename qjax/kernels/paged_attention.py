@@ -29,6 +29,7 @@ check them on CPU against a float64 reference. This module imports nothing else 
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Optional
 
 import jax
@@ -36,10 +37,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 BACKENDS = ('triton', 'mosaic')
+_BACKEND_MODULES = {'triton': 'jax.experimental.pallas.triton',
+                    'mosaic': 'jax.experimental.pallas.tpu'}
 # Past every real position: a slot that holds nothing.
 _EMPTY = 2 ** 30
 _NEG = -1e30
 
+
+
+@functools.cache
+def backend_available(backend: str) -> bool:
+  """Whether this jax ships the Pallas `backend` ('triton' or 'mosaic'). jax 0.12 deprecates
+  the Triton backend for Mosaic GPU and a later jax removes it; where it is gone, the paged
+  attention choice keeps the XLA scan rather than failing at the import."""
+  if backend not in _BACKEND_MODULES:
+    raise ValueError(f'backend={backend!r} is unknown; use one of {BACKENDS}.')
+  return importlib.util.find_spec(_BACKEND_MODULES[backend]) is not None
 
 def _unpack_int4(b: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Signed low and high nibbles of packed bytes, as float32 (codes 2i and 2i+1)."""

@@ -10,6 +10,7 @@ from flax import nnx
 from qjax.core import int_format, quantize
 from qjax.infer import init_paged_cache, with_step
 from qjax.infer.paged_kernel import attention_form
+from qjax.kernels import paged_attention
 from qjax.nn import Transformer, TransformerConfig, with_kv_format
 
 CFG = TransformerConfig.tiny(sliding_window=5, global_every=2, attn_logit_softcap=30.0,
@@ -51,6 +52,22 @@ def test_attention_form_per_platform_pool_and_override(monkeypatch):
   assert 'one scale per token' in one(grouped, 1, 'nvidia').reason
   monkeypatch.setenv('QJAX_PAGED_ATTENTION', 'scan')
   assert one(pool, 1, 'nvidia').name == 'scan'
+  monkeypatch.delenv('QJAX_PAGED_ATTENTION')
+  # A jax without the Pallas Triton backend (deprecated in jax 0.12) keeps the scan.
+  monkeypatch.setattr(paged_attention, 'backend_available', lambda b: b != 'triton')
+  assert one(pool, 1, 'nvidia').name == 'scan'
+  assert 'no Pallas triton backend' in one(pool, 1, 'nvidia').reason
+  assert one(pool, 1, 'tpu').name == 'kernel'
   monkeypatch.setenv('QJAX_PAGED_ATTENTION', 'fast')
   with pytest.raises(ValueError, match="QJAX_PAGED_ATTENTION='fast' is unknown"):
     attention_form(pool, 1)
+
+
+def test_the_pallas_backends_of_the_installed_jax():
+  # jax 0.10 to 0.12 ship both (0.12 deprecates Triton); 'auto' consults this before it
+  # chooses the kernel.
+  if jax.__version_info__ < (0, 13):
+    assert paged_attention.backend_available('triton')
+  assert paged_attention.backend_available('mosaic')
+  with pytest.raises(ValueError, match="backend='cuda' is unknown"):
+    paged_attention.backend_available('cuda')
