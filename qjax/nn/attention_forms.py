@@ -7,7 +7,7 @@ the form that runs on this platform, with the reason (listed for reports and ben
 | impl | CPU | NVIDIA GPU | TPU |
 |---|---|---|---|
 | 'auto' (default) | dense | as 'fused' | as 'fused' |
-| 'fused' | `sdpa_xla` | `cudnn` (bf16/fp16, H <= 128, no softcap), else unfused | `splash` |
+| 'fused' | `sdpa_xla` | `cudnn` (bf16/fp16, H <= 128, 256 on Hopper+, no softcap) | `splash` |
 | 'dense' / 'blockwise' | that form | that form | that form |
 
 `cudnn` is `jax.nn.dot_product_attention(implementation='cudnn')` (cuDNN's FlashAttention),
@@ -36,8 +36,11 @@ import jax.numpy as jnp
 
 _LOG = logging.getLogger('qjax.nn.attention_forms')
 FORMS = ('dense', 'blockwise', 'sdpa_xla', 'cudnn', 'splash')
-# cuDNN's fused attention: head dims it takes in every cuDNN 9 release qjax supports.
+# cuDNN's fused attention: the largest head dim it takes in every cuDNN 9 release, and from
+# Hopper (compute capability 9.0) on, as jax's own check has it (`check_is_flash_attention` in
+# jax._src.cudnn.fused_attention_stablehlo, jax 0.10 to 0.12): Gemma 3's 256 fuses there.
 CUDNN_MAX_HEAD_DIM = 128
+CUDNN_MAX_HEAD_DIM_HOPPER = 256
 # Where no fused kernel applies, the longest T that runs dense (what 'dense' ran before the
 # fused forms): its T x S logits are 16 MiB per head at T = S = 1024; longer runs blockwise.
 DENSE_MAX_T = 1024
@@ -61,9 +64,29 @@ def platform() -> str:
   return backend
 
 
+@functools.lru_cache(maxsize=None)
+def compute_capability() -> Optional[tuple[int, int]]:
+  """(major, minor) of the default device where it is an NVIDIA GPU (9.0 is Hopper), else
+  None."""
+  if platform() != 'nvidia':
+    return None
+  try:
+    major, minor = str(jax.devices()[0].compute_capability).split('.')[:2]
+    return int(major), int(minor)
+  except (AttributeError, ValueError):
+    return None
+
+
+def cudnn_max_head_dim(capability: Optional[tuple[int, int]]) -> int:
+  """The largest head dim cuDNN's fused attention takes on a GPU of `capability`."""
+  hopper = capability is not None and tuple(capability) >= (9, 0)
+  return CUDNN_MAX_HEAD_DIM_HOPPER if hopper else CUDNN_MAX_HEAD_DIM
+
+
 def choose_form(impl: str, *, t: int, dtype, head_dim: int,
                 logit_softcap: Optional[float] = None,
-                on: Optional[str] = None) -> Form:
+                on: Optional[str] = None,
+                capability: Optional[tuple[int, int]] = None) -> Form:
   """The form an attention call of T queries runs, and why (see the module docstring).
 
   Args:
@@ -73,6 +96,8 @@ def choose_form(impl: str, *, t: int, dtype, head_dim: int,
     head_dim: H.
     logit_softcap: the attention logit softcap, or None.
     on: the platform (`platform()` when None).
+    capability: the NVIDIA GPU's compute capability (`compute_capability()`, the default
+      device's, when None; unknown counts as before Hopper).
 
   Returns:
     A Form.
@@ -97,9 +122,10 @@ def choose_form(impl: str, *, t: int, dtype, head_dim: int,
       why.append(f'logit softcap {logit_softcap}')
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
       why.append(f'dtype {jnp.dtype(dtype).name} (cuDNN takes bf16/fp16)')
-    if head_dim > CUDNN_MAX_HEAD_DIM or head_dim % 8:
-      why.append(f'head_dim {head_dim} (cuDNN takes multiples of 8 up to '
-                 f'{CUDNN_MAX_HEAD_DIM})')
+    max_head_dim = cudnn_max_head_dim(capability or compute_capability())
+    if head_dim > max_head_dim or head_dim % 8:
+      why.append(f'head_dim {head_dim} (cuDNN takes multiples of 8 up to {max_head_dim} on '
+                 'this GPU)')
     if why:
       return _unfused(t, 'cuDNN flash attention cannot take ' + ', '.join(why))
     return Form('cudnn', 'NVIDIA: cuDNN flash attention')

@@ -8,6 +8,7 @@ from flax import nnx
 
 from qjax.kernels import splash
 from qjax.nn import Transformer, TransformerConfig, attend, init_cache, layer_forms
+from qjax.nn import attention_forms
 from qjax.nn.attention_forms import choose_form, fused_attend
 
 
@@ -80,7 +81,7 @@ def test_splash_gradients_match_dense():
     ('cpu', 'fused', 'float32', None, 64, 'sdpa_xla'),
     ('cpu', 'fused', 'float32', 50.0, 64, 'unfused'),
     ('nvidia', 'auto', 'bfloat16', None, 64, 'cudnn'),
-    ('nvidia', 'auto', 'bfloat16', None, 256, 'unfused'),  # Gemma 3 head dim
+    ('nvidia', 'auto', 'bfloat16', None, 256, 'unfused'),  # Gemma 3 head dim, before Hopper
     ('nvidia', 'auto', 'float32', None, 64, 'unfused'),
     ('nvidia', 'fused', 'bfloat16', 50.0, 64, 'unfused'),  # Gemma 2 softcap
     ('tpu', 'auto', 'float32', 50.0, 256, 'splash'),
@@ -88,13 +89,25 @@ def test_splash_gradients_match_dense():
 ])
 def test_choose_form_per_platform(on, impl, dtype, softcap, head_dim, want):
   short, long = (choose_form(impl, t=t, dtype=dtype, head_dim=head_dim, logit_softcap=softcap,
-                             on=on) for t in (64, 4096))
+                             on=on, capability=(8, 0)) for t in (64, 4096))
   if want == 'unfused':  # no fused kernel takes it: dense while short, blockwise when long
     assert (short.name, long.name) == ('dense', 'blockwise'), (short, long)
     assert 'cannot take' in long.reason or 'softcap' in long.reason
   else:
     assert short.name == long.name == want, short
   assert choose_form(impl, t=1, dtype=dtype, head_dim=head_dim, on=on).name == 'dense'
+
+
+def test_cudnn_takes_head_dim_256_from_hopper_on():
+  form = lambda h, cc: choose_form('auto', t=512, dtype='bfloat16', head_dim=h, on='nvidia',
+                                   capability=cc)
+  assert form(256, (9, 0)).name == form(256, (10, 0)).name == 'cudnn'
+  assert form(256, (8, 9)).name == 'dense' and 'up to 128' in form(256, (8, 9)).reason
+  assert form(264, (9, 0)).name == 'dense' and 'up to 256' in form(264, (9, 0)).reason
+  assert form(128, (8, 0)).name == 'cudnn'
+  assert attention_forms.cudnn_max_head_dim(None) == 128  # unknown: before Hopper
+  if attention_forms.platform() != 'nvidia':
+    assert attention_forms.compute_capability() is None
 
 
 def test_unknown_impl_is_refused_with_the_choices():
