@@ -23,8 +23,9 @@ measures, on the default backend:
   * HF transformers bf16 on the same device in the same run, when `torch` and `transformers`
     import and torch sees the device (`generate` timed as a difference of two lengths).
 `--budget_s` (default 340 s: under 6 minutes) bounds the whole check. Rows run in the order
-given while the longest row so far still fits before the attention section's share
-(`--attention_budget_s`, 90 s) of it; the rest are listed as not run. Results are written
+given (every model's rows, then the comparison forms int4_pallas, int4_packed and fp8xfp8 of
+every model: `row_order`) while the longest row so far still fits before the attention section's
+share (`--attention_budget_s`, 90 s) of it; the rest are listed as not run. Results are written
 after every row (`device_check.json`), so a run stopped from outside keeps what it measured.
 Then the attention section (`--attention=yes`, default), within what is left of the budget:
 `benchmarks/attention_timing.py`'s prefill and paged decode attention, before and after the
@@ -79,6 +80,10 @@ from qjax.nn import quantize_model
 from qjax.nn.attention import kv_format
 
 FORMATS = ('bf16', 'int4', 'int4_pallas', 'int4_packed', 'w8a8', 'int8', 'fp8', 'fp8xfp8')
+# Forms measured to compare with the rows above them (two other ways an int4 weight reaches the
+# matmul, fp8 activations): they run after every model's other rows, so a budget that ends the
+# check early cuts these first.
+COMPARISON_FORMATS = ('int4_pallas', 'int4_packed', 'fp8xfp8')
 DESCRIPTIONS = {
     'bf16': 'bfloat16 weights',
     'int8': 'int8 per-channel, weight-only',
@@ -109,6 +114,15 @@ def model_config(name: str, smoke: bool) -> TransformerConfig:
                       head_dim=64 if name == 'llama32_1b' else 32,
                       num_heads=4, num_kv_heads=2 if name == 'llama32_1b' else 1)
   return cfg
+
+
+def row_order(models, formats, hf: bool) -> list[tuple[str, str]]:
+  """(model, format) in the order the rows run: for every model, HF transformers (when `hf`)
+  and the formats not in COMPARISON_FORMATS, in the order given; then the comparison forms."""
+  main = [(m, f) for m in models
+          for f in (['hf-bf16'] if hf else []) + [f for f in formats
+                                                  if f not in COMPARISON_FORMATS]]
+  return main + [(m, f) for m in models for f in formats if f in COMPARISON_FORMATS]
 
 
 def int4_group(cfg: TransformerConfig) -> int:
@@ -496,7 +510,7 @@ def main(argv=None) -> dict:
     if f not in FORMATS:
       raise SystemExit(f'device_check: format {f!r} is unknown; use some of {FORMATS}.')
   hf_why = hf_available() if a.hf == 'auto' else 'not asked for (--hf=no)'
-  todo = [(m, f) for m in models for f in (['hf-bf16'] if hf_why is None else []) + formats]
+  todo = row_order(models, formats, hf_why is None)
   os.makedirs(a.out, exist_ok=True)
   result = {'environment': environment(), 'protocol': dataclasses.asdict(p), 'rows': [],
             'hf': hf_why or 'run', 'not_run': [], 'smoke': a.smoke}

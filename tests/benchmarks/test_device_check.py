@@ -50,6 +50,16 @@ def test_the_budget_bounds_the_whole_check(tmp_path):
   assert 'Not run (time budget): llama32_1b bf16' in text
 
 
+def test_rows_the_check_exists_for_run_before_the_comparison_forms():
+  order = device_check.row_order(['llama32_1b', 'gemma3_270m'], device_check.FORMATS, hf=True)
+  assert order[:12] == [(m, f) for m in ('llama32_1b', 'gemma3_270m')
+                        for f in ('hf-bf16', 'bf16', 'int4', 'w8a8', 'int8', 'fp8')]
+  assert order[12:] == [(m, f) for m in ('llama32_1b', 'gemma3_270m')
+                        for f in ('int4_pallas', 'int4_packed', 'fp8xfp8')]
+  assert device_check.row_order(['gemma3_270m'], ['fp8xfp8', 'bf16'], hf=False) == [
+      ('gemma3_270m', 'bf16'), ('gemma3_270m', 'fp8xfp8')]
+
+
 def test_bad_names_fail_before_anything_runs(tmp_path):
   with pytest.raises(ValueError, match="model 'llama3' is unknown"):
     device_check.main(['--smoke', '--models=llama3', f'--out={tmp_path}'])
