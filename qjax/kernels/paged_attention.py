@@ -44,7 +44,6 @@ _EMPTY = 2 ** 30
 _NEG = -1e30
 
 
-
 @functools.cache
 def backend_available(backend: str) -> bool:
   """Whether this jax ships the Pallas `backend` ('triton' or 'mosaic'). jax 0.12 deprecates
@@ -53,6 +52,7 @@ def backend_available(backend: str) -> bool:
   if backend not in _BACKEND_MODULES:
     raise ValueError(f'backend={backend!r} is unknown; use one of {BACKENDS}.')
   return importlib.util.find_spec(_BACKEND_MODULES[backend]) is not None
+
 
 def _unpack_int4(b: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Signed low and high nibbles of packed bytes, as float32 (codes 2i and 2i+1)."""
