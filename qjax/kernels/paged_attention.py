@@ -47,8 +47,8 @@ _NEG = -1e30
 @functools.cache
 def backend_available(backend: str) -> bool:
   """Whether this jax ships the Pallas `backend` ('triton' or 'mosaic'). jax 0.12 deprecates
-  the Triton backend for Mosaic GPU and a later jax removes it; where it is gone, the paged
-  attention choice keeps the XLA scan rather than failing at the import."""
+  the Triton backend, to be removed in a future jax in favour of Mosaic GPU; where it is gone,
+  the paged attention choice keeps the XLA scan rather than failing at the import."""
   if backend not in _BACKEND_MODULES:
     raise ValueError(f'backend={backend!r} is unknown; use one of {BACKENDS}.')
   return importlib.util.find_spec(_BACKEND_MODULES[backend]) is not None
