@@ -6,5 +6,6 @@ The public API is re-exported here; implementations live in the subpackages
 
 from qjax.core import *  # noqa: F401,F403  (the quantization core is the top-level API)
 from qjax.core import __all__ as _core_all  # type: ignore
+from qjax import target  # noqa: F401  (the devices programs are traced for)
 
 __version__ = '0.1.0'

@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import jax
 import numpy as np
 
+from qjax import target as qjax_target
 from qjax.core import decode_paths
 
 RECORD_NAME = 'conversion_record.json'
@@ -162,10 +163,12 @@ def runtime_info() -> dict:
 
 
 def hardware_info() -> dict:
+  """The host that wrote the record and the target its programs were traced for."""
   d = jax.devices()[0]
   return {'backend': jax.default_backend(), 'device_kind': d.device_kind,
           'device_count': jax.device_count(), 'platform': platform.platform(),
-          'processor': platform.processor() or platform.machine(), 'cpu_count': os.cpu_count()}
+          'processor': platform.processor() or platform.machine(), 'cpu_count': os.cpu_count(),
+          'target': qjax_target.current().facts()}
 
 
 ACCUMULATION = 'int32 for integer dots, float32 otherwise'

@@ -6,7 +6,8 @@
   semantics, f32 accumulation: equal to `einsum(x, dequantize(w))` up to summation order.
   Two layouts: (contracted..., kept...) weights ('BTD,DF->BTF', 'BTNH,NHD->BTD', ...) and
   the tied head (V, D) ('BTD,VD->BTV'). Used by `path='auto'` on CPU when
-  `qjax.kernels.available()`; `path='kernel'` asks for it explicitly.
+  the target is the CPU and `qjax.kernels.available()` (`cpu_kernel()`); `path='kernel'`
+  asks for it explicitly.
 * `vblocked_einsum`: the head layout (weight (V, D), contracted axis last, which the row
   tiles of `qjax.core.tiled_path` cannot express) as a `lax.map` over blocks of V rows: each
   block is dequantized and multiplied, so the temporary is one block (~1/64 of a Gemma head),
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qjax import kernels
+from qjax import target as qjax_target
 from qjax.core import packing
 from qjax.core import tiled_path as tiled
 from qjax.core.qarray import QArray, dequantize
@@ -110,9 +112,15 @@ def cpu_decode_forms() -> dict:
 LOW_FLOATS = (jnp.bfloat16, jnp.float16)
 
 
+def cpu_kernel() -> bool:
+  """Whether programs traced now may call the CPU kernel: the target (`qjax.target`) is the
+  CPU and the kernel is loaded. A CPU host tracing for a GPU or TPU never takes it."""
+  return qjax_target.on_cpu() and kernels.available()
+
+
 def widens_low_floats() -> bool:
   """Whether decode loops run low-precision float weights as an f32 copy: XLA:CPU, no kernel."""
-  return jax.default_backend() == 'cpu' and not kernels.available()
+  return qjax_target.on_cpu() and not kernels.available()
 
 
 def _widen(a):
@@ -173,7 +181,7 @@ def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype
     int8 / packed int4, more rows than `max_rows`, or a spec neither layout expresses).
   """
   kind = _kernel_kind(w)
-  if kind is None or not kernels.available():
+  if kind is None or not cpu_kernel():
     return None
   if head_axes(xs, ws, out):
     return _kernel_head(xs, ws, out, x, w, kind, out_dtype, max_rows, act, explicit)
@@ -359,7 +367,7 @@ def float_einsum(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.A
   """
   out_dtype = out_dtype or x.dtype
   xs, ws, out = tiled.parse_spec(spec)
-  if (w.dtype == jnp.bfloat16 and jax.default_backend() == 'cpu' and kernels.available()):
+  if w.dtype == jnp.bfloat16 and cpu_kernel():
     y = _float_kernel(xs, ws, out, x, w, out_dtype)
     if y is not None:
       return y

@@ -11,7 +11,8 @@ Two storage layouts of the same codes (`qarray.STORAGE_LAYOUTS`):
   narrow integer operands, not uint8 words with shift and mask arithmetic), so the weight
   reaches the dot without a float copy (`qjax.core.native_path`).
 
-`default_layout()` is native on GPU and TPU and packed on CPU; the environment variable
+`default_layout()` is native on GPU and TPU and packed on CPU (the target's platform,
+`qjax.target`); the environment variable
 `QJAX_QARRAY_LAYOUT=packed|native` overrides it for the process. The conversion is done once,
 by `quantize_model(layout=...)` or `relayout` after a checkpoint loads, never per step. 5-8
 bit and fp8 codes are the same bytes in both layouts; only their `QType.layout` (which path
@@ -26,6 +27,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from qjax import target as qjax_target
 from qjax.core.qarray import STORAGE_LAYOUTS, QArray, QType
 
 ENV_VAR = 'QJAX_QARRAY_LAYOUT'
@@ -34,7 +36,7 @@ NATIVE_BACKENDS = ('gpu', 'cuda', 'rocm', 'tpu')
 
 def default_layout(backend: Optional[str] = None) -> str:
   """'native' on GPU/TPU, 'packed' on CPU (and unknown backends), unless `QJAX_QARRAY_LAYOUT`
-  names one.
+  names one. `backend` defaults to the target's (`qjax.target`).
 
   Raises:
     ValueError: the environment variable names no layout.
@@ -46,7 +48,7 @@ def default_layout(backend: Optional[str] = None) -> str:
                        f'{STORAGE_LAYOUTS} or unset it (default: native on GPU/TPU, packed on '
                        'CPU).')
     return env
-  backend = backend or jax.default_backend()
+  backend = backend or qjax_target.current().backend
   return 'native' if backend in NATIVE_BACKENDS else 'packed'
 
 
@@ -85,12 +87,15 @@ def relayout(tree: Any, layout: Optional[str] = None) -> Any:
 
 def layout_facts(backend: Optional[str] = None) -> dict:
   """The layout decision for the record: backend, device kind, default layout and why."""
-  backend = backend or jax.default_backend()
+  target = qjax_target.current()
   env = os.environ.get(ENV_VAR, '').strip()
-  try:
-    kind = jax.devices(backend)[0].device_kind
-  except RuntimeError:
-    kind = None
+  if backend is None or backend == target.backend:
+    backend, kind = target.backend, target.device_kind
+  else:
+    try:
+      kind = jax.devices(backend)[0].device_kind
+    except RuntimeError:
+      kind = None
   return {'backend': backend, 'device_kind': kind, 'layout': default_layout(backend),
           'source': f'{ENV_VAR}={env}' if env else 'backend default (qjax.core.layouts)',
           'int4_code_dtype': jnp.dtype(QType('int', 4, 'native').storage_dtype).name}

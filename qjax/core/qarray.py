@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qjax import target as qjax_target
 from qjax.core import calibration as calib
 from qjax.core import numerics
 from qjax.core import packing
@@ -385,11 +386,16 @@ _INT4_BITS: dict = {}  # backend -> bits one int4 element occupies there (probed
 def int4_bits(backend: Optional[str] = None) -> int:
   """Bits the backend's buffers spend on one jnp.int4 element (4 packed, 8 unpacked).
 
-  Probed once per backend on a (512, 1024) buffer, large and aligned so that tiled memory
-  layouts (TPU) add no padding to the measurement (`on_device_size_in_bytes`), and cached in
-  `_INT4_BITS`: a fact of the runtime, constant for the process.
+  `backend` defaults to the target's (`qjax.target`). Probed once per backend on a
+  (512, 1024) buffer, large and aligned so that tiled memory layouts (TPU) add no padding to
+  the measurement (`on_device_size_in_bytes`), and cached in `_INT4_BITS`: a fact of the
+  runtime, constant for the process. A compile-only target holds no buffer: XLA:GPU and
+  XLA:TPU store s4 two per byte, so it counts 4.
   """
-  backend = backend or jax.default_backend()
+  target = qjax_target.current()
+  backend = backend or target.backend
+  if backend == target.backend and target.compile_only:
+    return 4
   if backend not in _INT4_BITS:
     n = 512 * 1024
     with jax.ensure_compile_time_eval():

@@ -84,6 +84,7 @@ import jax
 import jax.numpy as jnp
 
 from qjax import kernels
+from qjax import target as qjax_target
 from qjax.core import decode_paths
 from qjax.core import layouts
 from qjax.core import native_path
@@ -101,9 +102,9 @@ WEIGHT_ONLY_PATHS = ('native', 'pallas')  # paths that would ignore an activatio
 def choose_path(w_fmt: Union[QFormat, QType], act_fmt: Optional[QFormat] = None,
                 backend: Optional[str] = None, layout: Optional[str] = None) -> str:
   """The compute path `path='auto'` takes for this weight format (or code type, `q.qtype`),
-  activation format and backend; a QFormat is taken in `layout` (default: the backend's,
-  `layouts.default_layout`)."""
-  backend = backend or jax.default_backend()
+  activation format and backend (default: the target's, `qjax.target`); a QFormat is taken
+  in `layout` (default: the backend's, `layouts.default_layout`)."""
+  backend = backend or qjax_target.current().backend
   if act_fmt is not None:
     if w_fmt.is_float != act_fmt.is_float:
       raise ValueError(f'qeinsum: weights {w_fmt.name} and activations {act_fmt.name} mix '
@@ -169,7 +170,8 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
     y = decode_paths.kernel_einsum(xs, ws, out, x, w, out_dtype, max_rows=2**31, explicit=True)
     if y is None:
       raise ValueError(f"qeinsum: path='kernel' cannot run {spec!r} with {w.layout_name}: the "
-                       f'CPU kernel is {kernels.status()}, and it takes symmetric int8 / int4 '
+                       f'CPU kernel is {kernels.status()} (target: {qjax_target.platform()}), '
+                       'and it takes symmetric int8 / int4 '
                        "weights in the (contracted..., kept...) or (V, D) head layout; use "
                        "path='auto'.")
     return y
@@ -186,7 +188,7 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
     if path == 'native':
       return native_path.native_einsum(xs, ws, out, x, w, out_dtype)
   if path == 'tiled':
-    if auto and jax.default_backend() == 'cpu':
+    if auto and qjax_target.on_cpu():
       y = decode_paths.kernel_einsum(xs, ws, out, x, w, out_dtype)  # decode shapes
       if y is not None:
         return y
@@ -203,7 +205,7 @@ def qeinsum(spec: str, x: jax.Array, w: Union[jax.Array, QArray], *,
   if path == 'int8' and qt.is_float or path == 'fp8' and not qt.is_float:
     raise ValueError(f'qeinsum: path={path!r} cannot multiply {qt.name} weights; use '
                      f"path='{'fp8' if qt.is_float else 'int8'}' or 'dequant'.")
-  if jax.default_backend() == 'cpu':
+  if qjax_target.on_cpu():
     if path == 'int8':  # decode shapes: the same numerics on the kernel's integer dots
       y = decode_paths.kernel_einsum(xs, ws, out, x, w, out_dtype, act='int8')
       if y is not None:
@@ -247,7 +249,7 @@ def _integer_like_einsum(xs, ws, out, x, w: QArray, path, out_dtype):
   # Pad batch-1 to two rows on CPU (see module docstring).
   x_only = [i for i, c in enumerate(xv) if c not in wv]
   pad_axis = None
-  if jax.default_backend() == 'cpu' and x_only and all(x.shape[i] == 1 for i in x_only):
+  if qjax_target.on_cpu() and x_only and all(x.shape[i] == 1 for i in x_only):
     pad_axis = x_only[0]
     x = jnp.concatenate([x, jnp.zeros_like(x)], axis=pad_axis)
 

@@ -11,8 +11,8 @@ from typing import Optional
 
 import jax
 
+from qjax import target as qjax_target
 from qjax.core import QArray
-from qjax.nn.attention_forms import platform
 
 # Values of QJAX_PAGED_ATTENTION (`attention_form`).
 PAGED_MODES = ('auto', 'scan', 'kernel', 'interpret')
@@ -44,13 +44,14 @@ def attention_form(pool, t: int, on: Optional[str] = None,
   Args:
     pool: a layer's key pool (num_pages, P, K, H), an array or a QArray.
     t: queries per row.
-    on: the platform (`qjax.nn.attention_forms.platform()` when None).
-    devices: devices of the platform (`jax.device_count()` when None).
+    on: the platform (the target's, `qjax.target.current()`, when None).
+    devices: devices the program spans (the target's when None).
   """
   mode = os.environ.get('QJAX_PAGED_ATTENTION', 'auto')
   if mode not in PAGED_MODES:
     raise ValueError(f'QJAX_PAGED_ATTENTION={mode!r} is unknown; use one of {PAGED_MODES}.')
-  on = on or platform()
+  target = qjax_target.current()
+  on = on or target.platform
   backend = 'mosaic' if on == 'tpu' else 'triton'
   if mode == 'scan':
     return PagedForm('scan', None, 'QJAX_PAGED_ATTENTION=scan')
@@ -73,7 +74,7 @@ def attention_form(pool, t: int, on: Optional[str] = None,
     return PagedForm('kernel', backend, 'QJAX_PAGED_ATTENTION=kernel')
   if on in ('nvidia', 'tpu'):
     from qjax.kernels import paged_attention as pa  # pylint: disable=g-import-not-at-top
-    devices = devices or jax.device_count()
+    devices = devices or target.device_count
     if devices > 1:
       return PagedForm('scan', None, f'{devices} devices: pools may be sharded, '
                        'and the kernel runs on one device (QJAX_PAGED_ATTENTION=kernel forces '

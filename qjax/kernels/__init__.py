@@ -43,6 +43,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from qjax import target as qjax_target
 from qjax.kernels import _build
 
 __all__ = ['KINDS', 'LAYOUTS', 'available', 'cpu_flags', 'gemv', 'info', 'isa', 'status']
@@ -148,11 +149,12 @@ def info() -> dict:
     {'status': `status()`, 'isa': `isa()`, 'cpu_isa': the running CPU's best level
     (`_build.ISAS`, None without AVX2 + FMA or off x86-64), 'library': the loaded file or
     None, 'build': how it was obtained ('cached', 'built', 'rebuilt (why)') or why not}.
-    Off CPU backends, before anything asked for the kernel, it is not built just to report
-    it: status 'not used (backend <name>)'.
+    Where programs are traced for another platform (`qjax.target`), before anything asked
+    for the kernel, it is not built just to report it: status 'not used (target <name>)'.
   """
-  if 'reason' not in _STATE and jax.default_backend() != 'cpu':
-    return {'status': f'not used (backend {jax.default_backend()})', 'isa': None,
+  target = qjax_target.current()
+  if 'reason' not in _STATE and not target.platform == 'cpu':
+    return {'status': f'not used (target {target.platform})', 'isa': None,
             'cpu_isa': _build.best_isa(cpu_flags()), 'library': None, 'build': None}
   return {'status': status(), 'isa': isa(), 'cpu_isa': _build.best_isa(cpu_flags()),
           'library': _STATE.get('library'), 'build': _STATE.get('build')}

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from qjax import target as qjax_target
+
 MAX_ROWS = 64   # decode shapes; more rows are a prefill, which XLA's own dot serves
 _ROW_PAD = 16   # Triton's smallest dot operand
 
@@ -115,7 +117,6 @@ def check_operands(x_MK, w, scale_GN, bits: int) -> tuple[int, int, int, int]:
   return m, k, n, k // g
 
 
-@functools.partial(jax.jit, static_argnames=('bits', 'interpret', 'block_n', 'platform'))
 def qmm(x_MK, w, scale_GN, *, bits: int, interpret: Optional[bool] = None,
         block_n: int = 256, platform: Optional[str] = None):
   """`x @ dequantize(codes, scales)` for symmetric int8 / packed int4 codes, f32 result.
@@ -127,14 +128,24 @@ def qmm(x_MK, w, scale_GN, *, bits: int, interpret: Optional[bool] = None,
     bits: 8 or 4.
     interpret: run the Pallas interpreter (default: on CPU, where nothing else lowers).
     block_n: the widest block of output columns.
-    platform: the platform to lower for (default: the default backend's); 'cuda' or 'tpu'
-      lets `jax.export` check the lowering on a machine without that device.
+    platform: the platform to lower for: 'cpu', 'gpu' (or 'cuda', 'rocm') or 'tpu' (default:
+      the target's, `qjax.target`); 'cuda' or 'tpu' lets `jax.export` check the lowering on a
+      machine without that device.
 
   Returns:
     (M, N) float32.
   """
+  # Resolved before the jit, so its cache keys on the platform the kernel is built for.
+  platform = platform or qjax_target.current().backend
+  return _qmm(x_MK, w, scale_GN, bits=bits, interpret=interpret, block_n=block_n,
+              platform=platform)
+
+
+@functools.partial(jax.jit, static_argnames=('bits', 'interpret', 'block_n', 'platform'))
+def _qmm(x_MK, w, scale_GN, *, bits: int, interpret: Optional[bool], block_n: int,
+         platform: str):
+  """`qmm` for a resolved platform."""
   m, k, n, gk = check_operands(x_MK, w, scale_GN, bits)
-  platform = platform or jax.default_backend()
   if interpret is None:
     interpret = platform == 'cpu'
   params = None if interpret else _compiler_params(platform)

@@ -1,7 +1,8 @@
 """Which attention form a layer runs, decided in one place (`choose_form`), and the fused forms.
 
 `TransformerConfig.attention_impl` names what the user asks for; `choose_form` turns it into
-the form that runs on this platform, with the reason (listed for reports and benchmarks by
+the form that runs on the target's platform (`qjax.target`: the devices the program is
+compiled for), with the reason (listed for reports and benchmarks by
 `qjax.nn.layer_forms(model, t)`):
 
 | impl | CPU | NVIDIA GPU | TPU |
@@ -27,12 +28,13 @@ Decode (T = 1) always runs dense: one query row is O(S) in every form.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+
+from qjax import target as qjax_target
 
 _LOG = logging.getLogger('qjax.nn.attention_forms')
 FORMS = ('dense', 'blockwise', 'sdpa_xla', 'cudnn', 'splash')
@@ -54,29 +56,6 @@ class Form:
   reason: str
 
 
-@functools.lru_cache(maxsize=None)
-def platform() -> str:
-  """'cpu', 'nvidia', 'rocm', 'tpu' (or another backend name): the default device's kind."""
-  backend = jax.default_backend()
-  if backend == 'gpu':
-    version = str(getattr(jax.devices()[0].client, 'platform_version', '')).lower()
-    return 'rocm' if 'rocm' in version or 'hip' in version else 'nvidia'
-  return backend
-
-
-@functools.lru_cache(maxsize=None)
-def compute_capability() -> Optional[tuple[int, int]]:
-  """(major, minor) of the default device where it is an NVIDIA GPU (9.0 is Hopper), else
-  None."""
-  if platform() != 'nvidia':
-    return None
-  try:
-    major, minor = str(jax.devices()[0].compute_capability).split('.')[:2]
-    return int(major), int(minor)
-  except (AttributeError, ValueError):
-    return None
-
-
 def cudnn_max_head_dim(capability: Optional[tuple[int, int]]) -> int:
   """The largest head dim cuDNN's fused attention takes on a GPU of `capability`."""
   hopper = capability is not None and tuple(capability) >= (9, 0)
@@ -95,14 +74,15 @@ def choose_form(impl: str, *, t: int, dtype, head_dim: int,
     dtype: the queries' dtype.
     head_dim: H.
     logit_softcap: the attention logit softcap, or None.
-    on: the platform (`platform()` when None).
-    capability: the NVIDIA GPU's compute capability (`compute_capability()`, the default
-      device's, when None; unknown counts as before Hopper).
+    on: the platform (the target's, `qjax.target.platform()`, when None).
+    capability: the NVIDIA GPU's compute capability (the target's when None; unknown counts
+      as before Hopper).
 
   Returns:
     A Form.
   """
-  on = on or platform()
+  target = qjax_target.current()
+  on = on or target.platform
   if t == 1:
     return Form('dense', 'decode: one query row costs O(S) in every form')
   if impl == 'auto':
@@ -122,7 +102,7 @@ def choose_form(impl: str, *, t: int, dtype, head_dim: int,
       why.append(f'logit softcap {logit_softcap}')
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
       why.append(f'dtype {jnp.dtype(dtype).name} (cuDNN takes bf16/fp16)')
-    max_head_dim = cudnn_max_head_dim(capability or compute_capability())
+    max_head_dim = cudnn_max_head_dim(capability or target.compute_capability)
     if head_dim > max_head_dim or head_dim % 8:
       why.append(f'head_dim {head_dim} (cuDNN takes multiples of 8 up to {max_head_dim} on '
                  'this GPU)')

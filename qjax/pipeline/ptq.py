@@ -13,12 +13,12 @@ import os
 import re
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from qjax import checkpoints as qckpt
 from qjax import eval as qeval
+from qjax import target as qjax_target
 from qjax.algorithms import apply_method
 from qjax.core import QFormat, choose_path, default_layout
 from qjax.nn import QuantPolicy, QuantRule, einsum_layers, set_kv_format, weight_bytes
@@ -305,13 +305,14 @@ def quantize_and_evaluate(ref: FloatReference, q, out_dir: str, base_hash: str,
 
 
 def resolved_path(policy) -> str:
-  """The qeinsum path the policy's layers take on this backend, stated for the record."""
+  """The qeinsum path the policy's layers take on the target (`qjax.target`), for the record."""
   if policy.path != 'auto':
     return policy.path
   rule = policy.rules[-1]
   layout = default_layout()
-  return (f'{choose_path(rule.weight, rule.act, layout=layout)} on {jax.default_backend()} '
-          f'({jax.devices()[0].device_kind}), {layout} codes '
+  target = qjax_target.current()
+  return (f'{choose_path(rule.weight, rule.act, layout=layout)} on {target.platform} '
+          f'({target.device_kind}), {layout} codes '
           '(qjax.core.choose_path, qjax.core.layouts; see qjax/core/qdot.py)')
 
 

@@ -1,12 +1,13 @@
-"""`qjax.infer` is the runtime: its modules import only `qjax.core`, `qjax.kernels`, `qjax.nn`,
-`qjax.sharding` and `qjax.infer` (harnesses live in `qjax.pipeline`)."""
+"""`qjax.infer` is the runtime: its modules import only `qjax.target`, `qjax.core`,
+`qjax.kernels`, `qjax.nn`, `qjax.sharding` and `qjax.infer` (harnesses live in
+`qjax.pipeline`)."""
 
 import ast
 import pathlib
 
 import qjax.infer
 
-ALLOWED = ('qjax.core', 'qjax.kernels', 'qjax.nn', 'qjax.sharding', 'qjax.infer')
+ALLOWED = ('qjax.target', 'qjax.core', 'qjax.kernels', 'qjax.nn', 'qjax.sharding', 'qjax.infer')
 
 
 def _qjax_imports(path: pathlib.Path) -> set[str]:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from qjax import target as qjax_target
 from qjax.kernels import splash
 from qjax.nn import Transformer, TransformerConfig, attend, init_cache, layer_forms
 from qjax.nn import attention_forms
@@ -106,8 +107,22 @@ def test_cudnn_takes_head_dim_256_from_hopper_on():
   assert form(264, (9, 0)).name == 'dense' and 'up to 256' in form(264, (9, 0)).reason
   assert form(128, (8, 0)).name == 'cudnn'
   assert attention_forms.cudnn_max_head_dim(None) == 128  # unknown: before Hopper
-  if attention_forms.platform() != 'nvidia':
-    assert attention_forms.compute_capability() is None
+
+
+def test_the_form_follows_the_target_not_the_host():
+  """Traced for an abstract H100 or a TPU from this host, the choice is that device's."""
+  h100 = qjax_target.Target('nvidia', 'NVIDIA H100 80GB HBM3', compute_capability=(9, 0))
+  with qjax_target.use(h100):
+    assert choose_form('auto', t=512, dtype='bfloat16', head_dim=256).name == 'cudnn'
+  with qjax_target.use(qjax_target.Target('nvidia', 'NVIDIA A100', compute_capability=(8, 0))):
+    assert choose_form('auto', t=512, dtype='bfloat16', head_dim=256).name == 'dense'
+  with qjax_target.use('tpu'):
+    assert choose_form('auto', t=512, dtype='bfloat16', head_dim=256).name == 'splash'
+  gpu = jax.sharding.AbstractDevice(device_kind='NVIDIA H200', num_cores=None, platform='cuda')
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ('x',),
+                                                                abstract_device=gpu)):
+    assert qjax_target.current().compute_capability == (9, 0)
+    assert choose_form('auto', t=512, dtype='bfloat16', head_dim=256).name == 'cudnn'
 
 
 def test_unknown_impl_is_refused_with_the_choices():
