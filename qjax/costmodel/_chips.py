@@ -12,6 +12,8 @@ Sources (read 2026-11-29):
            Pope et al. 2022, sec. 4 (270 GB/s interconnect).
   TPU v5e: cloud.google.com/tpu/docs/v5e (197 TFLOP/s bf16, 393 TOP/s int8, 16 GB, 819 GBps,
            1600 Gbps ICI = 400 GBps bidirectional, 4 ports, 2D torus).
+  TPU v6e: cloud.google.com/tpu/docs/v6e (918 TFLOP/s bf16, 1836 TOP/s int8, 32 GB, 1640
+           GBps, 3584 Gbps ICI, 2D torus), read 2026-12-06.
   TPU v5p: cloud.google.com/tpu/docs/v5p (459 TFLOP/s bf16, 95 GB, 2765 GBps, 4800 Gbps ICI,
            3D torus); int8 918 TOP/s from Google's v5p announcement (2x bf16).
   H100 SXM / H200 SXM: NVIDIA datasheets (nvidia.com/en-us/data-center/h100, /h200). The
@@ -98,6 +100,8 @@ CHIPS = {
                    hbm_bytes=32 * GiB, hbm_bw=1200e9, ici_bw=270e9, ici_links=6),
     'tpu_v5e': Chip('tpu_v5e', bf16_flops=197e12, int8_flops=393e12, fp8_flops=None,
                     hbm_bytes=16e9, hbm_bw=819e9, ici_bw=200e9, ici_links=4),
+    'tpu_v6e': Chip('tpu_v6e', bf16_flops=918e12, int8_flops=1836e12, fp8_flops=None,
+                    hbm_bytes=32e9, hbm_bw=1640e9, ici_bw=448e9, ici_links=4),
     'tpu_v5p': Chip('tpu_v5p', bf16_flops=459e12, int8_flops=918e12, fp8_flops=None,
                     hbm_bytes=95e9, hbm_bw=2765e9, ici_bw=600e9, ici_links=6),
     'h100': Chip('h100', bf16_flops=989.5e12, int8_flops=1979e12, fp8_flops=1979e12,
