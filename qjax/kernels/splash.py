@@ -12,11 +12,14 @@ keys that are the queries' own, at consecutive positions (`qjax.nn.attention_for
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+
+from qjax import target as qjax_target
 
 # Query / key rows per kernel block (splash needs multiples of 128 lanes); T is padded to it.
 BLOCK = 128
@@ -24,7 +27,7 @@ BLOCK = 128
 
 @functools.lru_cache(maxsize=64)
 def _kernel(group: int, length: int, window: Optional[int], softcap: Optional[float],
-            block: int, interpret: bool):
+            block: int, interpret: bool, compile_only: bool):
   """A splash MQA kernel of `group` heads over `length` (padded) tokens; cached per shape."""
   # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -38,8 +41,11 @@ def _kernel(group: int, length: int, window: Optional[int], softcap: Optional[fl
                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                         block_q_dq=block, block_kv_dq=block)
   # The kernel holds its mask tables as arrays: make them concrete (this runs while a caller
-  # is being traced), so a cached kernel never keeps a tracer of another trace.
-  with jax.ensure_compile_time_eval():
+  # is being traced), so a cached kernel never keeps a tracer of another trace. A compile-only
+  # device (`qjax.aot`) holds no buffers: the tables are then built on the host and become
+  # constants of the compiled program.
+  host = jax.default_device(jax.devices('cpu')[0]) if compile_only else contextlib.nullcontext()
+  with jax.ensure_compile_time_eval(), host:
     return sk.make_splash_mqa_single_device(
         sm.MultiHeadMask([head_mask] * group), block_sizes=sizes,
         attn_logits_soft_cap=softcap, interpret=interpret)
@@ -72,7 +78,8 @@ def splash_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *,
   q_BKGTH = widen(q_BTNH).reshape(b, t + pad, kh, n // kh, h).transpose(0, 2, 3, 1, 4)
   k_BKTH = widen(k_BTKH).transpose(0, 2, 1, 3)
   v_BKTH = widen(v_BTKH.astype(k_BTKH.dtype)).transpose(0, 2, 1, 3)
-  kernel = _kernel(n // kh, t + pad, window, logit_softcap, block, interpret)
+  kernel = _kernel(n // kh, t + pad, window, logit_softcap, block, interpret,
+                   qjax_target.current().compile_only)
   per_head = lambda q_GTH, k_TH, v_TH: kernel(q_GTH, k_TH, v_TH)
   out_BKGTH = jax.vmap(jax.vmap(per_head))(q_BKGTH, k_BKTH.astype(q_BKGTH.dtype),
                                            v_BKTH.astype(q_BKGTH.dtype))
