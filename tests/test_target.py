@@ -1,5 +1,7 @@
 """qjax.target: where the target is read from, and every path decision following it."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from qjax import target as qjax_target
 from qjax.core import decode_paths, layouts, qarray
 from qjax.core import QFormat, choose_path, qeinsum, quantize
 from qjax.infer import paged_kernel
+from qjax.nn.attention_forms import choose_form
 
 TPU = qjax_target.Target('tpu', 'TPU v5 lite', compile_only=True, source='test')
 H200 = qjax_target.Target('nvidia', 'NVIDIA H200', compute_capability=(9, 0), compile_only=True,
@@ -113,3 +116,13 @@ def test_an_int8_program_traced_for_a_tpu_never_calls_the_cpu_kernel():
     g = lambda x, w, act=act: qeinsum('md,df->mf', x, w, act_fmt=act)
     with qjax_target.use(TPU):
       assert 'qjax_gemv' not in _custom_calls(g, x, w)
+
+
+def test_a_compile_only_gpu_names_the_cudnn_stand_in():
+  """jax checks cuDNN against a local GPU: a compile-only H200 cannot compile the call, and
+  the form says what stands in for it (a real H200 takes cuDNN)."""
+  with qjax_target.use(H200):
+    form = choose_form('auto', t=512, dtype='bfloat16', head_dim=128)
+    assert form.name == 'dense' and 'compile-only' in form.reason
+  with qjax_target.use(dataclasses.replace(H200, compile_only=False)):
+    assert choose_form('auto', t=512, dtype='bfloat16', head_dim=128).name == 'cudnn'

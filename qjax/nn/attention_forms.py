@@ -11,6 +11,9 @@ compiled for), with the reason (listed for reports and benchmarks by
 | 'fused' | `sdpa_xla` | `cudnn` (bf16/fp16, H <= 128, 256 on Hopper+, no softcap) | `splash` |
 | 'dense' / 'blockwise' | that form | that form | that form |
 
+On a compile-only GPU (`qjax.aot`) 'fused' runs the unfused form: jax checks cuDNN on a
+local GPU while tracing, so nothing can compile the cuDNN call without one.
+
 `cudnn` is `jax.nn.dot_product_attention(implementation='cudnn')` (cuDNN's FlashAttention),
 `sdpa_xla` the same call with implementation='xla' (exact, dense memory: the CPU and test
 stand-in), `splash` the Pallas splash kernel (`qjax.kernels.splash`). Where no fused kernel
@@ -108,6 +111,10 @@ def choose_form(impl: str, *, t: int, dtype, head_dim: int,
                  'this GPU)')
     if why:
       return _unfused(t, 'cuDNN flash attention cannot take ' + ', '.join(why))
+    if target.compile_only and on == target.platform:
+      # jax checks cuDNN's version and the GPU on a local GPU backend while tracing.
+      return _unfused(t, 'NVIDIA: cuDNN flash attention on the device; a compile-only GPU '
+                      '(qjax.aot) has no cuDNN for jax to check, so its program stands in')
     return Form('cudnn', 'NVIDIA: cuDNN flash attention')
   if logit_softcap is not None:
     return _unfused(t, 'jax.nn.dot_product_attention has no logit softcap')
