@@ -11,11 +11,11 @@ qjax is the one it would make on that TPU or GPU.
 """
 
 from qjax.aot import toolchain
-from qjax.aot._compile import Report, abstract_args, compile_for, tracing_for
+from qjax.aot._compile import Report, abstract_args, analyze, compile_for, tracing_for
 from qjax.aot._hlo import bytes_moved, custom_calls, kernel_families
 from qjax.aot._targets import TARGETS, TargetSpec, devices, gpu_target_config, mesh, spec_of
 from qjax.aot._targets import target
 
-__all__ = ['Report', 'TARGETS', 'TargetSpec', 'abstract_args', 'bytes_moved', 'compile_for',
-           'custom_calls', 'devices', 'gpu_target_config', 'kernel_families', 'mesh',
-           'spec_of', 'target', 'toolchain', 'tracing_for']
+__all__ = ['Report', 'TARGETS', 'TargetSpec', 'abstract_args', 'analyze', 'bytes_moved',
+           'compile_for', 'custom_calls', 'devices', 'gpu_target_config', 'kernel_families',
+           'mesh', 'spec_of', 'target', 'toolchain', 'tracing_for']

@@ -183,6 +183,27 @@ def compile_for(fn: Callable, *args: Any, target: str, program: Optional[str] = 
   return report
 
 
+def analyze(compiled, *, program: str, chip: str, devices_per_chip: int = 1,
+            compute_bits: float = 16, estimate_s: Optional[float] = None) -> Report:
+  """The Report of a program already compiled (on a real device too): the same figures
+  `compile_for` gives, with the roofline on `chip` (a `qjax.costmodel` preset), so a timed
+  row can be printed beside the compiler's prediction for it.
+
+  Args:
+    compiled: a `jax.stages.Compiled` (`jax.jit(f).lower(...).compile()`).
+    program: the report's name for it.
+    chip: the costmodel chip preset of the device it was compiled for ('h200', 'tpu_v5e').
+    devices_per_chip: jax devices per chip (2 on TPU v4).
+    compute_bits: matmul operand width for the roofline's peak.
+    estimate_s: the cost model's time for the same step, carried into the report.
+  """
+  spec = _targets.TargetSpec(chip, 'device', chip, chip, devices_per_chip=devices_per_chip)
+  report = Report(program=program, target=chip, hbm_bytes=spec.hbm_per_device, compiled=True,
+                  estimate_s=estimate_s)
+  _fill(report, compiled, spec, compute_bits)
+  return report
+
+
 def _fill(report: Report, compiled, spec, compute_bits: float) -> None:
   """The memory, cost and HLO figures of a compiled program."""
   mem = compiled.memory_analysis()
