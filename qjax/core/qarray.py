@@ -12,7 +12,8 @@ have the same tree structure whatever calibrated them.
 Scales and zero points have the data's rank and tile it (`numerics`): `shape[i] %
 scale.shape[i] == 0`. Indexing (`q[rows]`, `q[:, slots]`), `reshape` and `transpose` therefore
 act on the QArray directly, and the logical sharding of data and scales is the same list.
-Layout version 2 (layout 1, before qjax 0.2, stored scales in a rank+1 "grouped view").
+This is layout version 2 (`LAYOUT_VERSION`); layout 1 stored scales in a rank+1 "grouped
+view", and a model saved in it is refused on load.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from qjax import target as qjax_target
 from qjax.core import calibration as calib
 from qjax.core import numerics
 from qjax.core import packing
+from qjax.core import qarray_views
 from qjax.core.formats import FLOAT_KINDS, QFormat
 
 LAYOUT_VERSION = 2  # recorded with every saved QArray (conversion records: 'qarray_layout')
@@ -208,14 +210,16 @@ class QArray:
                       self.last_dim if last_dim is None else last_dim, self.dtype_name)
 
   def __getitem__(self, idx) -> 'QArray':
-    from qjax.core import qarray_views  # pylint: disable=g-import-not-at-top  (it imports QArray)
-    return qarray_views.getitem(self, idx)
+    return self._with_leaves(*qarray_views.getitem(self, idx))
 
   def reshape(self, *shape) -> 'QArray':
     """A reshape that keeps every tile whole (merging or splitting axes along tiles)."""
     shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-    from qjax.core import qarray_views  # pylint: disable=g-import-not-at-top  (it imports QArray)
-    return qarray_views.reshape(self, tuple(int(d) for d in shape))
+    return self._with_leaves(*qarray_views.reshape(self, tuple(int(d) for d in shape)))
+
+  def _with_leaves(self, data, scale, zero_point, last_dim: int) -> 'QArray':
+    """A validated QArray of this one's code type and dtype over new leaves."""
+    return QArray(data, scale, zero_point, self.qtype, last_dim, self.dtype_name)
 
   def transpose(self, *axes) -> 'QArray':
     """Axes permuted; a packed format keeps its last axis last."""

@@ -1,19 +1,25 @@
-"""Indexing and reshaping of a `QArray` without dequantizing it.
+"""Indexing and reshaping of a `QArray`'s leaves without dequantizing them.
 
 Scales and zero points tile the data (`qjax.core.numerics`), so an index or a reshape that keeps
 every tile whole acts on codes and scales alike; one that would cut a tile or a packed byte is
-refused with the reason. `QArray.__getitem__` and `QArray.reshape` call these.
+refused with the reason. `QArray.__getitem__` and `QArray.reshape` call these and wrap the new
+leaves they return, so this module sits below `qarray` and does not import it.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from qjax.core import packing
-from qjax.core.qarray import QArray
+
+# The new QArray's (data, scale, zero_point, last_dim): its leaves and its static last dim.
+Leaves = tuple[jax.Array, jax.Array, Optional[jax.Array], int]
+
 
 def _expand_index(idx, ndim: int) -> list:
   """`idx` as one entry per data axis (None entries kept in place), Ellipsis expanded."""
@@ -31,8 +37,9 @@ def _expand_index(idx, ndim: int) -> list:
   return idx
 
 
-def getitem(q: QArray, idx) -> QArray:
-  """`q[idx]` for ints, slices, integer arrays, None and Ellipsis, tile by tile.
+def getitem(q, idx) -> Leaves:
+  """The leaves of `q[idx]` (q a QArray) for ints, slices, integer arrays, None and Ellipsis,
+  tile by tile.
 
   An integer (array) index on an axis picks each element's scale (`i // tile`); a slice on
   an axis must start and stop on tile boundaries (or the axis has one scale for all). On a
@@ -88,12 +95,12 @@ def getitem(q: QArray, idx) -> QArray:
     raise IndexError('QArray: indexing down to a scalar; dequantize first.')
   scale = q.scale[tuple(s_idx)]
   zp = None if q.zero_point is None else q.zero_point[tuple(s_idx)]
-  return QArray(data, scale, zp, q.qtype, last_dim if q.qtype.packed else data.shape[-1],
-                q.dtype_name)
+  return data, scale, zp, last_dim if q.qtype.packed else data.shape[-1]
 
 
-def reshape(q: QArray, shape: tuple[int, ...]) -> QArray:
-  """Reshape keeping tiles whole: axes are matched in runs of equal size (merged or split)."""
+def reshape(q, shape: tuple[int, ...]) -> Leaves:
+  """The leaves of `q` (a QArray) reshaped keeping tiles whole: axes are matched in runs of
+  equal size (merged or split)."""
   if -1 in shape:
     known = math.prod(d for d in shape if d != -1)
     shape = tuple(q.size // known if d == -1 else d for d in shape)
@@ -123,7 +130,7 @@ def reshape(q: QArray, shape: tuple[int, ...]) -> QArray:
   r = lambda a: None if a is None else a.reshape(tuple(new_scale))
   data = q.data.reshape(shape[:-1] + (q.data.shape[-1],)) if q.qtype.packed else (
       q.data.reshape(shape))
-  return QArray(data, r(q.scale), r(q.zero_point), q.qtype, shape[-1], q.dtype_name)
+  return data, r(q.scale), r(q.zero_point), shape[-1]
 
 
 def _retile(old, tiles, new, q) -> list:
