@@ -10,6 +10,7 @@ traced for a target, `qjax.target` names that target's devices, so every path de
 qjax is the one it would make on that TPU or GPU.
 """
 
+from qjax.aot import _programs as programs
 from qjax.aot import toolchain
 from qjax.aot._compile import Report, abstract_args, analyze, compile_for, tracing_for
 from qjax.aot._hlo import bytes_moved, custom_calls, kernel_families
@@ -18,4 +19,4 @@ from qjax.aot._targets import target
 
 __all__ = ['Report', 'TARGETS', 'TargetSpec', 'abstract_args', 'analyze', 'bytes_moved',
            'compile_for', 'custom_calls', 'devices', 'gpu_target_config', 'kernel_families',
-           'mesh', 'spec_of', 'target', 'toolchain', 'tracing_for']
+           'mesh', 'programs', 'spec_of', 'target', 'toolchain', 'tracing_for']
