@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from qjax import target as qjax_target
 from qjax.algorithms.llm_int8 import llm_int8_layers, trigger_rate
 from qjax.checkpoints import records
 from qjax.eval import memory as qmemory
@@ -334,6 +335,7 @@ def validate(float_model: nnx.Module, quant_model: nnx.Module, *, name: str,
     log(f"{name}: LLM.int8() features in float {report['llm_int8_trigger']['features']:.4f}, "
         f"tokens {report['llm_int8_trigger']['tokens']:.4f}")
   report['what_ran'] = what_ran(quant_model)
+  report['target'] = qjax_target.current().facts()  # the devices its programs were traced for
   report['kv_cache'] = kv_format(quant_model).name if kv_format(quant_model) else (
       f'{quant_model.config.dtype} (not quantized)')
   if extra:
