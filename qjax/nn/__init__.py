@@ -21,8 +21,9 @@ __all__ = [
     "set_kv_format", "weight_bytes", "with_kv_format",
 ]
 
-from qjax.nn.attention import (Attention, attend, attend_blockwise, attention_mask, kv_format,
-                               layer_forms, online_attend, set_kv_format, with_kv_format)
+from qjax.nn.attention import (Attention, kv_format, layer_forms, set_kv_format,
+                               with_kv_format)
+from qjax.nn.attention_core import attend, attend_blockwise, attention_mask, online_attend
 from qjax.nn.config import TransformerConfig, num_params
 from qjax.nn.decode_core import LoopState
 from qjax.nn.generate import (decode_loop, decode_step, decode_steps,

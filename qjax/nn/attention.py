@@ -1,7 +1,7 @@
-"""Grouped-query attention: `attend` (pure math on arrays) and the `Attention` layer.
+"""The `Attention` layer: projections, qk norm, RoPE, the KV cache and one attention form.
 
-Query heads are grouped by the kv head they share, N = K * G, so MHA (G = 1), GQA and MQA
-(K = 1) are one einsum, 'BTKGH,BSKH->BKGTS', with no repeated keys in memory.
+The math (`attend`, `attend_blockwise`, `online_attend`, masks and softcaps) lives in
+`qjax.nn.attention_core` and is re-exported here.
 
 A model may carry a KV format (`Attention.kv_fmt`, None by default; QAT sets it with
 `prepare_qat(..., kv=...)`): its keys and values then pass through that format in every
@@ -9,19 +9,15 @@ forward, fake-quantized (straight-through) without a cache and quantized by a ca
 format, so the full forward (training, perplexity) computes what cached serving computes.
 `kv_format(model)` reads it, `with_kv_format(model, fmt)` sets it on a copy.
 
-Two exact implementations in plain jnp: `attend` (dense: the T x S logits at once) and
-`attend_blockwise` (FlashAttention's online softmax, Dao et al. 2022, as a `lax.scan` over
-key blocks: a running max, normaliser and weighted sum per query, so temp memory is O(T *
-block) instead of O(T * S)). `online_attend` is the scan itself over any sequence of key
-blocks; a paged cache (`qjax.infer.PagedKVCache`) feeds it its pages. They are the reference
-and the CPU path; on GPU/TPU `TransformerConfig.attention_impl` ('auto' by default) selects a
-fused kernel where one applies, decided in `qjax.nn.attention_forms.choose_form`
-(`layer_forms(model, t)` lists each layer's form and why).
+The dense and blockwise forms are the reference and the CPU path; on GPU/TPU
+`TransformerConfig.attention_impl` ('auto' by default) selects a fused kernel where one
+applies, decided in `qjax.nn.attention_forms.choose_form` (`layer_forms(model, t)` lists each
+layer's form and why).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -32,136 +28,15 @@ from qjax.nn import attention_forms
 from qjax.nn import axes
 from qjax.nn import kvcache
 from qjax.nn import shard_hooks
+from qjax.nn.attention_core import EMPTY_POSITION as EMPTY_POSITION  # re-exported
+from qjax.nn.attention_core import attend
+from qjax.nn.attention_core import attend_blockwise
+from qjax.nn.attention_core import attention_mask as attention_mask  # re-exported
+from qjax.nn.attention_core import online_attend as online_attend  # re-exported
+from qjax.nn.attention_core import softcap as softcap  # re-exported
 from qjax.nn.config import TransformerConfig
 from qjax.nn.layers import Einsum, RMSNorm
 from qjax.nn.rope import apply_rope
-
-# Finite, so a fully masked row (never produced by the model) gives a uniform softmax, not NaN.
-_MASKED = -1e30
-# Position of a key slot that holds nothing: later than every query, so the causal mask hides it.
-EMPTY_POSITION = kvcache.EMPTY_POSITION
-
-
-def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
-  """`cap * tanh(x / cap)`, or x when cap is None."""
-  return x if cap is None else cap * jnp.tanh(x / cap)
-
-
-def attention_mask(q_pos_BT: jax.Array, k_pos_BS: jax.Array,
-                   window: Optional[int] = None) -> jax.Array:
-  """Boolean mask_BTS: causal, and within `window` positions when given."""
-  diff_BTS = q_pos_BT[:, :, None] - k_pos_BS[:, None, :]
-  mask = diff_BTS >= 0
-  if window is not None:
-    mask &= diff_BTS < window
-  return mask
-
-
-def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_BT: jax.Array,
-           k_pos_BS: jax.Array, *, window: Optional[int] = None,
-           logit_softcap: Optional[float] = None) -> jax.Array:
-  """Masked softmax attention with grouped query heads (queries already scaled).
-
-  Args:
-    q_BTNH: queries; N must be a multiple of K.
-    k_BSKH: keys.
-    v_BSKH: values.
-    q_pos_BT: query positions.
-    k_pos_BS: key positions (B may be 1 to broadcast).
-    window: sliding window (keys with q_pos - window < k_pos <= q_pos), or None.
-    logit_softcap: softcap of the attention logits, or None.
-
-  Returns:
-    out_BTNH in q's dtype; logits and softmax run in float32.
-  """
-  b, t, n, h = q_BTNH.shape
-  k = k_BSKH.shape[2]
-  q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
-  logits_BKGTS = jnp.einsum('BTKGH,BSKH->BKGTS', q_BTKGH, k_BSKH,
-                            preferred_element_type=jnp.float32)
-  logits_BKGTS = softcap(logits_BKGTS, logit_softcap)
-  mask_BTS = attention_mask(q_pos_BT, k_pos_BS, window)
-  logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
-  probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKH.dtype)
-  out_BTKGH = jnp.einsum('BKGTS,BSKH->BTKGH', probs_BKGTS, v_BSKH)
-  return out_BTKGH.reshape(b, t, n, h).astype(q_BTNH.dtype)
-
-
-def online_attend(q_BTNH: jax.Array, blocks: Any, fetch: Callable, q_pos_BT: jax.Array, *,
-                  window: Optional[int] = None,
-                  logit_softcap: Optional[float] = None) -> jax.Array:
-  """Exact attention as an online softmax over key blocks (a `lax.scan` over `blocks`).
-
-  Args:
-    q_BTNH: queries (already scaled); N a multiple of K.
-    blocks: a pytree whose leaves have a leading axis of length num_blocks (scanned over).
-    fetch: one block's leaves -> (k_BPKH, v_BPKH, k_pos_BP), P keys of every row (B of the
-      positions may be 1); empty slots at `EMPTY_POSITION`.
-    q_pos_BT: query positions.
-    window: sliding window, or None.
-    logit_softcap: softcap of the attention logits, or None.
-
-  Returns:
-    out_BTNH in q's dtype, equal to `attend` over the concatenated blocks up to float
-    rounding (logits, running max and sums in float32).
-  """
-  b, t, n, h = q_BTNH.shape
-
-  def body(carry, block):
-    m_BKGT, l_BKGT, acc_BKGTH = carry
-    k_BPKH, v_BPKH, k_pos_BP = fetch(block)
-    k = k_BPKH.shape[2]
-    q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
-    logits_BKGTP = jnp.einsum('BTKGH,BPKH->BKGTP', q_BTKGH, k_BPKH.astype(q_BTNH.dtype),
-                              preferred_element_type=jnp.float32)
-    logits_BKGTP = softcap(logits_BKGTP, logit_softcap)
-    mask_BTP = attention_mask(q_pos_BT, k_pos_BP, window)
-    logits_BKGTP = jnp.where(mask_BTP[:, None, None], logits_BKGTP, _MASKED)
-    m_new = jnp.maximum(m_BKGT, logits_BKGTP.max(-1))
-    # A block before the first unmasked key leaves m at _MASKED; the first real logit then
-    # rescales what it summed by exp(_MASKED - m) = 0, so only real keys remain.
-    p_BKGTP = jnp.exp(logits_BKGTP - m_new[..., None])
-    rescale = jnp.exp(m_BKGT - m_new)
-    l_BKGT = l_BKGT * rescale + p_BKGTP.sum(-1)
-    pv_BKGTH = jnp.einsum('BKGTP,BPKH->BKGTH', p_BKGTP.astype(q_BTNH.dtype),
-                          v_BPKH.astype(q_BTNH.dtype), preferred_element_type=jnp.float32)
-    return (m_new, l_BKGT, acc_BKGTH * rescale[..., None] + pv_BKGTH), None
-
-  k_abs = jax.eval_shape(fetch, jax.tree.map(lambda x: x[0], blocks))[0]
-  kh = k_abs.shape[2]
-  g = n // kh
-  init = (jnp.full((b, kh, g, t), _MASKED, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
-          jnp.zeros((b, kh, g, t, h), jnp.float32))
-  (_, l_BKGT, acc_BKGTH), _ = jax.lax.scan(body, init, blocks)
-  out_BKGTH = acc_BKGTH / l_BKGT[..., None]
-  return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_BTNH.dtype)
-
-
-def attend_blockwise(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                     q_pos_BT: jax.Array, k_pos_BS: jax.Array, *,
-                     window: Optional[int] = None, logit_softcap: Optional[float] = None,
-                     block_size: int = 512) -> jax.Array:
-  """`attend` with O(T * block_size) temp memory: an online softmax over key blocks.
-
-  Args:
-    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, window, logit_softcap: as `attend`.
-    block_size: keys per block (S is padded to a multiple with empty slots).
-
-  Returns:
-    out_BTNH, equal to `attend` within float rounding.
-  """
-  b, s, kh, h = k_BSKH.shape
-  block = min(block_size, s)
-  pad = -s % block
-  k_pos_BS = jnp.broadcast_to(k_pos_BS, (k_pos_BS.shape[0], s))
-  if pad:
-    widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    k_BSKH, v_BSKH = widen(k_BSKH), widen(v_BSKH)
-    k_pos_BS = jnp.pad(k_pos_BS, ((0, 0), (0, pad)), constant_values=EMPTY_POSITION)
-  nb = (s + pad) // block
-  split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], nb, block, *x.shape[2:]), 1, 0)
-  return online_attend(q_BTNH, (split(k_BSKH), split(v_BSKH), split(k_pos_BS)),
-                       lambda kvp: kvp, q_pos_BT, window=window, logit_softcap=logit_softcap)
 
 
 class Attention(nnx.Module):

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from qjax import target as qjax_target
+from qjax.nn import attention_core
 
 _LOG = logging.getLogger('qjax.nn.attention_forms')
 FORMS = ('dense', 'blockwise', 'sdpa_xla', 'cudnn', 'splash')
@@ -130,9 +131,8 @@ def _unfused(t: int, why: str) -> Form:
 
 def _aligned(q_pos_BT: jax.Array, k_pos_BS: jax.Array, from_zero: bool) -> jax.Array:
   """Whether keys are the queries' own at consecutive positions (padding only at the end)."""
-  from qjax.nn.kvcache import EMPTY_POSITION  # pylint: disable=g-import-not-at-top
   t = q_pos_BT.shape[1]
-  real_BT = q_pos_BT < EMPTY_POSITION
+  real_BT = q_pos_BT < attention_core.EMPTY_POSITION
   want_BT = q_pos_BT[:, :1] + jnp.arange(t, dtype=q_pos_BT.dtype)[None]
   ok = jnp.all(jnp.where(real_BT, q_pos_BT == want_BT, True))
   ok &= jnp.all(real_BT[:, :-1] | ~real_BT[:, 1:])  # no real token after a padding one
@@ -152,7 +152,7 @@ def fused_attend(form: str, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Ar
   Args:
     form: the fused form (`choose_form`).
     q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, window, logit_softcap: as
-      `qjax.nn.attention.attend` (queries already scaled).
+      `qjax.nn.attention_core.attend` (queries already scaled).
     own: None when k/v are the queries' own (a cache-free forward), else (k_BTKH, v_BTKH) of
       this call's new tokens (a prefill against a cache): the index-masked forms then run
       over those when the row starts at position 0, so the cache holds nothing else it sees.
@@ -162,11 +162,10 @@ def fused_attend(form: str, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Ar
   Returns:
     out_BTNH in q's dtype.
   """
-  from qjax.nn import attention  # pylint: disable=g-import-not-at-top
   kw = dict(window=window, logit_softcap=logit_softcap)
   if form == 'sdpa_xla':
     k_pos_BS = jnp.broadcast_to(k_pos_BS, (q_pos_BT.shape[0], k_pos_BS.shape[1]))
-    mask_B1TS = attention.attention_mask(q_pos_BT, k_pos_BS, window)[:, None]
+    mask_B1TS = attention_core.attention_mask(q_pos_BT, k_pos_BS, window)[:, None]
     dt = q_BTNH.dtype
     out = jax.nn.dot_product_attention(q_BTNH, k_BSKH.astype(dt), v_BSKH.astype(dt),
                                        mask=mask_B1TS, scale=1.0, implementation='xla')
@@ -190,11 +189,11 @@ def fused_attend(form: str, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Ar
       # refuses runs the scan over the same keys (exact: this branch has aligned positions).
       _LOG.warning('cuDNN attention refused %s x %s (%s); running blockwise.', q.shape,
                    k.shape, e)
-      return attention.attend_blockwise(q, k, v, q_pos_BT, q_pos_BT, block_size=block_size,
+      return attention_core.attend_blockwise(q, k, v, q_pos_BT, q_pos_BT, block_size=block_size,
                                         **kw)
 
   def scan(q, k, v):
-    return attention.attend_blockwise(q, k, v, q_pos_BT, k_pos_BS, block_size=block_size, **kw)
+    return attention_core.attend_blockwise(q, k, v, q_pos_BT, k_pos_BS, block_size=block_size, **kw)
 
   aligned = _aligned(q_pos_BT, k_pos_BS if own is None else None, own is not None)
   return jax.lax.cond(aligned, lambda: fused(q_BTNH, k_own, v_own),
