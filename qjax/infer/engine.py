@@ -54,6 +54,7 @@ from qjax.infer.prefix_cache import PrefixCache
 from qjax.infer.sampling import SamplingBatch, SamplingParams, row_keys, sample
 from qjax.infer.scheduler import Scheduler
 from qjax.infer.scheduler import Sequence as SeqState
+from qjax.nn import traces
 from qjax.nn import validate
 from qjax.nn.attention import kv_format
 from qjax.nn.generate import argmax_or_non_finite
@@ -78,9 +79,6 @@ def _buckets(max_batch: int, chunk: int) -> tuple[tuple[int, int, int], ...]:
                                       if n > max_batch)
 
 
-_TRACES = [0]  # how often `_step` was traced (= compiled), over every engine
-
-
 def _greedy(logits_BV):
   """Greedy tokens and their model log-probabilities, as `sample` gives for greedy rows
   (`NON_FINITE` for a row whose logits are not finite)."""
@@ -91,7 +89,7 @@ def _greedy(logits_BV):
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3,))
 def _step(graphdef, state, tokens_BT, cache, last_B, params, position_B, seen_BV):
-  _TRACES[0] += 1  # runs only while tracing
+  traces.traced('engine.step')
   model = merge(graphdef, state)
   x_BTD, cache = paged.forward(model, tokens_BT, cache)
   x_B1D = x_BTD.reshape(-1, 1, x_BTD.shape[-1])[last_B]  # last_B: each row's last token
@@ -176,6 +174,7 @@ class Engine(engine_requests.Requests, engine_block.BlockDecoding):
     self.state = DecodeWeights(self.state)(self.state)
     self._resident = engine_block.Resident()
     self._inflight = None  # a decode block dispatched but not yet read (`engine_block`)
+    self._held_events = []  # tokens `cancel` booked from a queued block, for the next step
     self._step_s = None  # estimated seconds per decode step (`engine_block._may_hold`)
     self._fetched_at = 0.0  # when the last block's tokens were read (`engine_block`)
     self._batches: dict[tuple, SamplingBatch] = {}
@@ -202,6 +201,9 @@ class Engine(engine_requests.Requests, engine_block.BlockDecoding):
     """Run one batched step, or a block of decode steps while every running request decodes
     (`EngineConfig.decode_block`); returns (request id, token) of the tokens generated, in
     step order."""
+    if self._held_events:  # booked by `cancel` while it drained a queued block
+      events, self._held_events = self._held_events, []
+      return events
     if self._inflight is not None:  # a decode block queued behind the last one
       return self._run_inflight()
     t0 = time.perf_counter()
@@ -212,9 +214,11 @@ class Engine(engine_requests.Requests, engine_block.BlockDecoding):
       return self._run_block(plan, steps)
     return self._run_plan(plan)
 
-  @staticmethod
-  def _traces() -> int:
-    return _TRACES[0] + engine_block._TRACES[0]  # pylint: disable=protected-access
+  # The jitted steps whose traces (`qjax.nn.traces`) count as this engine's compilations.
+  _STEPS = ('engine.step', engine_block.STEP)
+
+  def _traces(self) -> int:
+    return traces.count(*self._STEPS)
 
   def _dispatch(self, fn, *args):
     """`fn(*args)` (a jitted step), its time booked as dispatch or, when it compiled, as

@@ -44,12 +44,13 @@ import numpy as np
 from qjax.infer import paged
 from qjax.infer import page_host
 from qjax.infer.sampling import SamplingParams, row_keys, sample
+from qjax.nn import traces
 from qjax.nn import validate
 from qjax.nn.decode_core import LoopState, run_block
 from qjax.nn.generate import argmax_or_non_finite
 from qjax.nn.model_split import merge
 
-_TRACES = [0]  # how often `decode_block` was traced (= compiled), over every engine
+STEP = 'engine.decode_block'  # the name `decode_block` counts its traces under (`qjax.nn.traces`)
 
 
 def _draw(logits_BV, params, position_B):
@@ -72,7 +73,7 @@ def decode_block(graphdef, state, cache, rows: LoopState, params, block: int, st
   Returns (cache, rows, tok_BK, logprob_BK, num_B): row b generated tok_BK[b, :num_B[b]].
   The values of rows that are not live are never read (they may differ from what the host
   would build for an idle row)."""
-  _TRACES[0] += 1  # runs only while tracing
+  traces.traced(STEP)
   model = merge(graphdef, state)
 
   def step(rows, cache):
@@ -268,11 +269,12 @@ class BlockDecoding:
     self.stats.host_s += time.perf_counter() - t0
     return events
 
-  def _run_inflight(self) -> list[tuple[str, int]]:
-    """Book the block `_finish_block` queued (and maybe queue the one after it)."""
+  def _run_inflight(self, queue: bool = True) -> list[tuple[str, int]]:
+    """Book the block `_finish_block` queued (and, with `queue`, maybe queue the one after
+    it)."""
     rows, table, out, params, k = self._inflight
     self._inflight = None
-    return self._finish_block(rows, table, out, params, k, queue=True,
+    return self._finish_block(rows, table, out, params, k, queue=queue,
                               started=self._fetched_at)
 
   def _complete_block(self, rows, tok_BK, lp_BK, num_B) -> list[tuple[str, int]]:

@@ -44,18 +44,17 @@ from qjax.infer import engine_block, page_host, paged
 from qjax.infer.engine import Engine, EngineConfig
 from qjax.infer.sampling import SamplingParams, processed_logits, row_keys
 from qjax.infer.speculative import _DRAFT, SpecStats, check_compatible, verify_round
+from qjax.nn import traces
 from qjax.nn import validate
 from qjax.nn.decode_core import LoopState, run_block
 from qjax.nn.model_split import StaticGraphdef, merge
 from qjax.nn.attention import kv_format
 
 
-_TRACES = [0]  # how often `_feed` and `_rounds` were traced (= compiled), over every engine
-
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3,))
 def _feed(dgraph, dstate, tokens_BT, dcache):
-  _TRACES[0] += 1  # runs only while tracing
+  traces.traced('spec_engine.feed')
   draft = merge(dgraph, dstate)
   return paged.forward(draft, tokens_BT, dcache)[1]
 
@@ -89,7 +88,7 @@ def _rounds(tgraph, tstate, dgraph, dstate, gamma, rounds, tcache, dcache, loop,
   """Up to `rounds` rounds on `decode_core.run_block`: each row's cached length advances on
   the device by the tokens it accepted. Returns (decoded, tcache, dcache, sums): per-row
   sums of the rounds' statistics (`_round_sums`)."""
-  _TRACES[0] += 1  # runs only while tracing
+  traces.traced('spec_engine.rounds')
   target, draft = merge(tgraph, tstate), merge(dgraph, dstate)
   b = loop.tok_B.shape[0]
 
@@ -189,9 +188,7 @@ class SpeculativeEngine(Engine):
     self.dcache = paged.with_step(self.dcache, **dict(layout, ring_table=no_ring))
     self.dcache = _feed(self.dgraph, self.dstate, jnp.asarray(tokens_N1), self.dcache)
 
-  @staticmethod
-  def _traces() -> int:
-    return Engine._traces() + _TRACES[0]  # pylint: disable=protected-access
+  _STEPS = Engine._STEPS + ('spec_engine.feed', 'spec_engine.rounds')
 
   def step(self) -> list[tuple[str, int]]:
     t0 = time.perf_counter()

@@ -62,11 +62,6 @@ def _unpack_int4(b: jax.Array) -> tuple[jax.Array, jax.Array]:
   return lo.astype(jnp.float32), hi.astype(jnp.float32)
 
 
-def _parts(x: jax.Array, int4: bool) -> tuple[jax.Array, ...]:
-  """A page's values along H as float32 parts: (x,), or (even codes, odd codes) for int4."""
-  return _unpack_int4(x) if int4 else (x.astype(jnp.float32),)
-
-
 def _dequantized(page, scale, int4: bool) -> tuple[jax.Array, ...]:
   """A page block's values (rows, H) as float32 parts, times its per-row scales (rows, 1)."""
   parts = _unpack_int4(page) if int4 else (page.astype(jnp.float32),)

@@ -40,11 +40,11 @@ from flax import nnx
 
 from qjax.nn import decode_core
 from qjax.nn import kvcache
+from qjax.nn import traces
 from qjax.nn import validate
 from qjax.nn.attention import kv_format
 from qjax.nn.decode_core import LoopState, stop_table  # noqa: F401  (re-exported)
 from qjax.nn.kvcache import KVCache
-from qjax.nn.model_split import SPLITS as _SPLITS  # noqa: F401  (tests read it)
 from qjax.nn.model_split import host_lengths as _host_lengths
 from qjax.nn.model_split import merge as _merge
 from qjax.nn.model_split import remember_lengths as _remember_lengths
@@ -129,8 +129,9 @@ def _last_logits(model, tokens_BT, cache, num_real):
   return model.logits(x_B1D)[:, 0], kvcache.advance(cache, num_real)
 
 
-# Traces of each jitted step (one per compilation): `step_compilations()`.
-_TRACES = {'greedy': 0, 'pick': 0, 'logits': 0, 'block': 0}
+# The names under which each jitted step counts its traces (`qjax.nn.traces`).
+_STEPS = {'greedy': 'generate.greedy', 'pick': 'generate.pick', 'logits': 'generate.logits',
+          'block': 'generate.block'}
 
 
 def step_compilations() -> dict[str, int]:
@@ -141,7 +142,7 @@ def step_compilations() -> dict[str, int]:
   A step compiles once per (padded) token width, cache shape and model structure; with
   buckets, prompts of lengths 5, 6 and 7 share the width 8.
   """
-  return dict(_TRACES)
+  return {key: traces.count(name) for key, name in _STEPS.items()}
 
 
 def argmax_last(x_BV: jax.Array) -> jax.Array:
@@ -174,7 +175,7 @@ def argmax_or_non_finite(x_BV: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
 def _greedy_step(graphdef, state, tokens_BT, num_real, cache):
-  _TRACES['greedy'] += 1
+  traces.traced(_STEPS['greedy'])
   model = _merge(graphdef, state)
   logits_BV, cache = _last_logits(model, tokens_BT, cache, num_real)
   return argmax_or_non_finite(logits_BV).astype(tokens_BT.dtype), cache
@@ -182,7 +183,7 @@ def _greedy_step(graphdef, state, tokens_BT, num_real, cache):
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=4)
 def _pick_step(graphdef, state, tokens_BT, num_real, cache, pick, pick_args):
-  _TRACES['pick'] += 1
+  traces.traced(_STEPS['pick'])
   model = _merge(graphdef, state)
   logits_BV, cache = _last_logits(model, tokens_BT, cache, num_real)
   return pick(logits_BV, *pick_args), cache
@@ -197,7 +198,7 @@ def greedy_pick(logits_BV, count_B, carry):
 @functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(2,))
 def _loop_block(graphdef, state, cache, loop: LoopState, pick, block: int):
   """Up to `block` decode steps of the live rows on `decode_core.run_block`."""
-  _TRACES['block'] += 1
+  traces.traced(_STEPS['block'])
   model = _merge(graphdef, state)
   one = jnp.int32(1)
 
@@ -318,7 +319,7 @@ def decode_steps(model: nnx.Module, tok_B: jax.Array, cache: KVCache, num_steps:
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
 def _logits_step(graphdef, state, tokens_BT, num_real, cache):
-  _TRACES['logits'] += 1
+  traces.traced(_STEPS['logits'])
   model = _merge(graphdef, state)
   positions_BT = _fed_positions(cache, tokens_BT.shape[1], num_real)
   x_BTD, cache = model.blocks(model.embed_tokens(tokens_BT), positions_BT, cache)

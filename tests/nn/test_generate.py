@@ -12,6 +12,7 @@ from flax import nnx
 
 from qjax.core.decode_paths import matrix_einsum
 from qjax.nn import Transformer, TransformerConfig, generate, greedy_step, init_cache
+from qjax.nn import model_split
 from qjax.nn.attention import set_kv_format
 
 CFG = TransformerConfig.tiny()
@@ -57,7 +58,7 @@ def test_the_cached_split_sees_new_values_and_new_structure():
   key = id(model)
   del model
   gc.collect()
-  assert key not in generate._SPLITS
+  assert key not in model_split.SPLITS
 
 
 def test_overflow_is_caught_from_host_lengths_and_from_a_foreign_cache():
