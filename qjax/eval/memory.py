@@ -233,11 +233,10 @@ def predict(cfg: TransformerConfig, policy: Optional[QuantPolicy] = None, *, bat
 def decode_cache_copy(cfg: TransformerConfig, batch: int, kv: int) -> int:
   """Bytes of the cache copy the estimate adds to a decode step's activations.
 
-  Measured on XLA:CPU (jax 0.10, `compiled_step_bytes` on Gemma 3 270M): a batch-1 decode
-  step's temp holds one more copy of the whole cache (1.03x its bytes at 4k, 7.3k, 8k and
-  14.5k tokens), a batch-2 or batch-4 step's none (0.03x); on the 2-layer tiny model, half
-  of it at every batch. XLA's buffer assignment decides this, so the estimate counts the
-  batch-1 copy and `compiled=True` asks XLA instead.
+  On XLA:CPU a batch-1 decode step's temp holds one more copy of the whole cache and a
+  larger batch's none (`compiled_step_bytes` on Gemma 3 270M; docs/validation.md). XLA's
+  buffer assignment decides this, so the estimate counts the batch-1 copy and
+  `compiled=True` asks XLA instead.
   """
   del cfg
   return kv if batch == 1 else 0

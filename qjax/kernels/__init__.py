@@ -4,8 +4,8 @@
 f32 accumulation and group scales, reading each weight byte once: the path XLA:CPU lacks
 (it widens a quantized weight into a float copy before every dot). With `act='int8'` the
 activations are quantized inside the kernel (per row and weight group, `qeinsum`'s 'int8'
-numerics) and multiplied on integer dots: the W8A8 / W4A8 decode path, ~2x faster than
-widening the codes to f32 (docs/cpu_kernel.md).
+numerics) and multiplied on integer dots: the W8A8 / W4A8 decode path, several codes per
+instruction instead of widening each to f32 (measured: docs/cpu_kernel.md).
 
 Built on first use into a per-user cache (`_build.py`: `$QJAX_KERNEL_CACHE`, else
 `$XDG_CACHE_HOME/qjax/kernels` or `~/.cache/qjax/kernels`, one library per jax, compiler, CPU

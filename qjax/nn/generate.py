@@ -148,8 +148,8 @@ def step_compilations() -> dict[str, int]:
 def argmax_last(x_BV: jax.Array) -> jax.Array:
   """`jnp.argmax(x_BV, axis=-1)` as two plain reductions (max, then the first index at it).
 
-  XLA:CPU lowers argmax to a variadic (value, index) reduce that it does not vectorise:
-  1.3 ms for Gemma's 262144 logits, ~7% of a quantized decode step (profiled); a max and a
+  XLA:CPU lowers argmax to a variadic (value, index) reduce that it does not vectorise, a
+  visible share of a decode step over a 262k vocabulary (docs/fast_decode.md); a max and a
   masked min over an iota are vectorised and fused. A NaN counts as the largest value, as in
   `jnp.argmax` (the first NaN wins; only a row holding both +inf and NaN can differ: the
   first of either).

@@ -1,18 +1,18 @@
 """A model as its decode loops run it: split once, its graphdef hashed once, its lengths known.
 
-Per-step host work of a decode loop is kept off the critical path (Gemma 3 270M decodes in
-~40 ms a step on CPU, a Llama-3.2-1B step ~3 ms on an H200):
+Per-step host work of a decode loop is kept off the critical path, where it would cost a
+share of every step (on an accelerator, most of it; measurements: docs/fast_decode.md):
 
-* The model is split (`nnx.split`, ~15-25 ms for Gemma's 1,455 graph nodes) once per model,
-  not per token: the split's state holds the model's own Variables, so new values assigned
-  to them reach the next step; a change of structure (a replaced Variable or submodule, a new
-  static attribute such as a KV format) is seen by a walk over the module attributes (~1 ms)
-  and the model is split again.
+* The model is split (`nnx.split`, a walk over every graph node) once per model, not per
+  token: the split's state holds the model's own Variables, so new values assigned to them
+  reach the next step; a change of structure (a replaced Variable or submodule, a new static
+  attribute such as a KV format) is seen by a cheaper walk over the module attributes, and
+  the model is split again.
 * On XLA:CPU without the kernel, bf16/f16 weights run as an f32 copy made once per model
   (`qjax.core.decode_paths.DecodeWeights`): no XLA:CPU form of a bf16 weight decodes at f32
   speed.
-* The graphdef is a static jit argument; jit hashes static arguments on every call (~2-5 ms
-  for Gemma's graphdef), so it is passed in a wrapper that hashes once (`StaticGraphdef`).
+* The graphdef is a static jit argument; jit hashes static arguments on every call (a walk
+  over the whole graphdef), so it is passed in a wrapper that hashes once (`StaticGraphdef`).
 * The overflow check needs every row's length on the host. A cache returned by the decode
   steps carries its lengths on the host too (`host_lengths`), so the next step checks
   without waiting for the device, and steps queue back to back.
