@@ -168,7 +168,8 @@ def _run_qjax(row: str, a) -> dict:
     out[f'decode_b{b}_tok_s'] = b * a.steps / s
     out[f'decode_b{b}_ms_per_step'] = 1e3 * s / a.steps
   out['peak_rss_serving_mib'] = _peak_rss_mib()
-  # The issue's prefill protocol: one forward with the logits of every position (as HF's).
+  # The benchmark's prefill protocol: one forward with the logits of every position, as HF's
+  # forward computes them (the serving prefill above keeps the last position's only).
   prefill_once(generate.logits_step)
   out['prefill_tok_s'] = a.prefill / statistics.median(
       prefill_once(generate.logits_step) for _ in range(3))

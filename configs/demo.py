@@ -2,11 +2,12 @@
 
 Command:
   make demo       (= .venv/bin/python -m experiments.demo --config=configs/demo.py)
-Expected run time: ~2 minutes on an idle 2-core CPU (103 s measured: training ~40 s,
-  10 sweep points ~60 s).
-Expected metric: float validation perplexity ~4-5 (unigram baseline ~28); int8 within 0.5%
-  of float; int4 g32 within ~2%; int3 per-channel clearly worse. Results, table, plot and
-  conversion records land in results/demo/. Rerunning resumes (finished points are skipped).
+Expected run time: 2-4 minutes on a 2-core CPU (training ~45 s, then 10 sweep points).
+Expected metric: float validation perplexity ~6.3 (unigram baseline ~28); int8 within 0.1%
+  of float; int4 g32 within ~2%; int3 per-channel ~12% worse. The measured run:
+  docs/quantization.md#the-demos-rtn-sweep. Results, table, conversion records (and the plot,
+  with the 'plots' extra) land in results/demo/. Rerunning resumes (finished points are
+  skipped).
 """
 
 import ml_collections
