@@ -2,6 +2,7 @@
 subprocess started from another directory, so the compile-only toolchain never loads in a test
 worker), its three files, and the errors a bad name gives."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -122,3 +123,22 @@ def test_extrapolation_is_linear_in_the_layers_except_temp():
   assert (r.argument_bytes, r.bytes_accessed, r.flops, r.hlo_bytes) == (260, 1800.0, 32.0, 960)
   assert r.temp_bytes == 28 and r.peak_bytes == 260 + 5 + 28 and r.compile_s == 2.0
   assert r.roofline_s == pytest.approx(1800 / 819e9, rel=0.01)
+
+
+def test_a_hf_config_json_or_a_gguf_names_the_model_without_weights(tmp_path):
+  folder = ROOT / 'tests' / 'testdata' / 'hf_tiny' / 'llama'
+  for spec in (folder, folder / 'config.json'):
+    name, label, cfg = aot_command.load_model(str(spec))
+    assert (name, cfg.d_model, cfg.num_layers, cfg.num_kv_heads) == ('llama', 32, 2, 2)
+    assert 'config.json' in label
+  pytest.importorskip('gguf')
+  spec = importlib.util.spec_from_file_location(
+      'gguf_testdata', ROOT / 'tests' / 'checkpoints' / 'gguf_testdata.py')
+  gguf_testdata = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(gguf_testdata)
+  cfg = gguf_testdata.tiny_config()
+  gguf_testdata.write_gguf(tmp_path / 'small.gguf', cfg, gguf_testdata.random_params(cfg))
+  name, label, got = aot_command.load_model(str(tmp_path / 'small.gguf'))
+  assert name == 'small' and 'GGUF' in label
+  assert (got.d_model, got.num_layers, got.head_dim) == (cfg.d_model, cfg.num_layers,
+                                                         cfg.head_dim)
