@@ -1,5 +1,7 @@
 """README.md and docs/ hold together: relative links resolve (anchors included), every page
-is reachable, results are not copied between pages, and the text speaks of the software."""
+is reachable, results are not copied between pages, a figure the README quotes is its page's,
+a docs page's measured tables name their date and command, and the whole tree's text speaks
+of the software, not of how it was developed."""
 
 import collections
 import pathlib
@@ -7,8 +9,6 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / 'docs'
-# Pages written and kept elsewhere in the tree's ownership; their links are still checked.
-PROSE_EXEMPT = ('accelerators.md', 'reliability.md', 'cpu_kernel.md')
 LINK = re.compile(r'!?\[[^\]]*\]\(([^)\s]+)\)')
 FENCE = re.compile(r'^```.*?^```', flags=re.M | re.S)
 
@@ -91,26 +91,157 @@ def test_one_copy_of_each_result():
 
 
 # The project's text describes qjax and its measurements, not how or by whom they were made.
-PROCESS = re.compile('|'.join([
-    r'\bissue\s*#?\d+', r'(?<![\w/])#\d{1,3}\b', r'\bsessions?\b', r'\bagents?\b',
-    r'\bthe lead\b', r'\bhelpers?\b(?! function)', r'\bthis stop\b', r'\bmine\b',
+# Words that only a page's prose could mean that way (code uses 'session' for pytest fixtures
+# and 'helper' for helper functions), checked in the prose of README.md and docs/:
+PROSE_PROCESS = re.compile('|'.join([
+    r'(?<![\w/])#\d{1,3}\b', r'\bsessions?\b', r'\bagents?\b', r'\bhelpers?\b(?! function)',
+    r'\bthis stop\b', r'\bmine\b',
 ]), flags=re.I)
+# Phrases that mean the development process wherever they stand: checked in every text file
+# of the tree (prose, code, comments, docstrings, scripts).
+PROCESS = re.compile('|'.join([
+    r'\bissue\s*#?\d+', r'\b(?:the|this) issue\b', r'\bthe lead\b', r'\bleases?\b', r'\blent\b',
+    r'\bno network here\b', r'\bnot filed\b', r'\bunder a \d+ s call\b',
+    r'(?<![\'"])(?<!test )\bsessions?\b(?![\'"])', r'\bagents?\b',
+]), flags=re.I)
+TREE = ('README.md', 'docs', 'qjax', 'benchmarks', 'tests', 'experiments', 'configs')
+TEXT_SUFFIXES = {'.md', '.py', '.sh', '.cc', '.inc', '.h', '.toml', '.cfg'}
+# Not the project's own text: third-party corpora and test data; and this file, which holds
+# the patterns themselves.
+NOT_CHECKED = ('qjax/data/corpora/', 'tests/testdata/', 'tests/test_docs.py')
+
+
+def _tree_files() -> list[pathlib.Path]:
+  files = []
+  for top in TREE:
+    path = ROOT / top
+    for f in ([path] if path.is_file() else sorted(path.rglob('*'))):
+      rel = f.relative_to(ROOT).as_posix()
+      if (f.is_file() and f.suffix in TEXT_SUFFIXES and '__pycache__' not in rel
+          and not rel.startswith(NOT_CHECKED)):
+        files.append(f)
+  return files
+
+
+def process_hits(path: pathlib.Path) -> list[str]:
+  """Lines of `path` that speak of how the project was developed."""
+  hits = []
+  text = path.read_text(encoding='utf-8', errors='replace')
+  for i, line in enumerate(text.splitlines(), 1):
+    if PROCESS.search(line):
+      hits.append(f'{path.relative_to(ROOT)}:{i}: {line.strip()[:120]}')
+  if path.suffix == '.md':
+    for i, line in enumerate(_prose(path).splitlines(), 1):
+      if PROSE_PROCESS.search(line) and not line.startswith(('    ', '\t')):  # indented: logs
+        hits.append(f'{path.relative_to(ROOT)} (prose line {i}): {line.strip()[:120]}')
+  return hits
 
 
 def test_text_speaks_of_the_software():
-  hits = []
-  for page in _pages():
-    if page.name in PROSE_EXEMPT:
+  files = _tree_files()
+  assert len(files) > 200, f'only {len(files)} files found: is the tree walk broken?'
+  hits = [h for f in files for h in process_hits(f)]
+  assert not hits, 'text about how the project was developed, not about qjax:\n' + '\n'.join(
+      hits)
+
+
+# A figure: a number with a decimal point, or a percentage (dates are taken out first).
+FIGURE = re.compile(r'(?<![\w.])\d+(?:\.\d+)?%|(?<![\w.])\d+\.\d+(?![\w.]*\d)')
+DATE = re.compile(r'\b20\d\d-\d\d-\d\d\b')
+
+
+def figures(text: str) -> set[str]:
+  """The figures of a text: decimal numbers and percentages, dates and link targets left out."""
+  text = re.sub(r'\]\([^)]*\)', ']', DATE.sub(' ', text))
+  return set(FIGURE.findall(text))
+
+
+def _paragraphs(path: pathlib.Path) -> list[str]:
+  """The prose of `path` in units that quote one page: paragraphs, list items, table rows."""
+  units = re.split(r'\n\s*\n|\n(?=[-*] |\|)', _prose(path))
+  return [u for u in units if u.strip()]
+
+
+def test_readme_figures_are_their_pages_figures():
+  # Each README paragraph, list item or table row that links docs pages quotes figures from
+  # them; a figure no linked page holds is a copy that has drifted.
+  readme = ROOT / 'README.md'
+  checked, wrong = 0, []
+  for paragraph in _paragraphs(readme):
+    pages = {(readme.parent / link.partition('#')[0]).resolve()
+             for link in LINK.findall(paragraph)
+             if link.partition('#')[0].endswith('.md') and 'docs/' in link}
+    pages = [p for p in pages if p.exists()]
+    if not pages:
       continue
-    for i, line in enumerate(_prose(page).splitlines(), 1):
-      if PROCESS.search(line) and not line.startswith(('    ', '\t')):  # indented: code, logs
-        hits.append(f'{page.relative_to(ROOT)}:{i}: {line.strip()[:120]}')
-  assert not hits, 'process chatter or issue numbers:\n' + '\n'.join(hits)
+    have = set().union(*(figures(p.read_text(encoding='utf-8')) for p in pages))
+    for figure in sorted(figures(paragraph)):
+      checked += 1
+      if figure not in have:
+        wrong.append(f'{figure} (in: {paragraph.strip()[:80]}...) is not in '
+                     f'{sorted(p.name for p in pages)}')
+  assert checked >= 10, f'only {checked} README figures checked: is the parser broken?'
+  assert not wrong, 'README figures its linked pages do not hold:\n' + '\n'.join(wrong)
+
+
+COMMAND = re.compile(r'python3? -m\s|\bmake [a-z]|\bpytest\b|tests/\S+\.py')
+
+
+def undated_tables(text: str) -> list[str]:
+  """The first rows of the tables of measured numbers in `text` (a figure per row or more)
+  whose section (from the heading above) names no date (YYYY-MM-DD) or no command that made
+  them."""
+  problems, section, table, fenced = [], '', [], False
+  for line in text.splitlines() + ['']:
+    fenced ^= line.startswith('```')
+    if line.lstrip().startswith('|') and not fenced:
+      table.append(line)
+      continue
+    if table:
+      body = [r for r in table[2:] if not re.fullmatch(r'[|\-: ]+', r.strip())]
+      measured = sum(len(figures(r)) for r in body) >= max(len(body), 1)
+      if measured and not (DATE.search(section) and COMMAND.search(section)):
+        problems.append(table[0].strip()[:90])
+      section += '\n'.join(table) + '\n'
+      table = []
+    if re.match(r'#{1,6} ', line) and not fenced:  # a heading, not a shell comment
+      section = ''
+    section += line + '\n'
+  return problems
+
+
+def test_measured_tables_name_their_date_and_command():
+  problems = [f'{page.name}: {row}' for page in sorted(DOCS.glob('*.md'))
+              for row in undated_tables(page.read_text(encoding='utf-8'))]
+  assert not problems, ('measured tables without a date and the command that made them '
+                        '(in their section):\n' + '\n'.join(problems))
+
+
+MAX_PAGE_LINES = 300  # a reference page; history lives in git
+
+
+def test_docs_pages_are_reference_sized():
+  long = {p.name: n for p in sorted(DOCS.glob('*.md'))
+          if (n := len(p.read_text(encoding='utf-8').splitlines())) > MAX_PAGE_LINES}
+  assert not long, f'docs pages over {MAX_PAGE_LINES} lines (move history to git): {long}'
 
 
 def test_the_checks_would_catch_one():
   assert github_slug('QAT + distillation, 200 steps (2026-12-03, idle)') == (
       'qat--distillation-200-steps-2026-12-03-idle')
   assert github_slug("The demo's `RTN` sweep") == 'the-demos-rtn-sweep'
-  assert PROCESS.search('the targets of issue 13') and PROCESS.search('rerun in this session')
-  assert not PROCESS.search('int4 g128 on 2 cores (#rows: 8)')
+  assert PROCESS.search('the targets of issue 13') and PROSE_PROCESS.search('in this session')
+  assert PROCESS.search('stopped by the lease') and PROCESS.search("The issue's protocol")
+  assert PROCESS.search('on a lent accelerator') and PROCESS.search('not filed: no network here')
+  assert not PROCESS.search("@pytest.fixture(scope='session')")
+  assert not PROCESS.search('what the test session compiles') and not PROCESS.search('released')
+  assert not PROSE_PROCESS.search('int4 g128 on 2 cores (#rows: 8)')
+  assert figures('2.28x at 16 rows (2026-12-03; 1.69x), 4.8-5.4x, 83.5% [a](b-1.5.md)') == {
+      '2.28', '1.69', '4.8', '5.4', '83.5%'}
+  page = ('# A\n\nno date here\n\n| undated | b |\n|---|---|\n| x | 1.5 |\n\n'
+          '# B\n\n2026-12-01, `python -m benchmarks.x`:\n\n| dated | b |\n|---|---|\n'
+          '| x | 1.5 |\n\n| same section | b |\n|---|---|\n| x | 2.5 |\n\n'
+          '# C\n\n| no figures | kind |\n|---|---|\n| x | y |\n| CC BY-SA 3.0 | z |\n\n'
+          '# D\n\n2026-12-01\n\n```\npython -m x\n# a comment\n```\n\n| d | e |\n|---|---|\n'
+          '| x | 1.5 |\n')
+  assert undated_tables(page) == ['| undated | b |']
