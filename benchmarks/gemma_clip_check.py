@@ -11,7 +11,7 @@ inputs of that layer on `--windows` 512-token WikiText-2 windows after the evalu
 type, the mean of both errors for both methods and the fraction of layers where MSE lowers the
 weight error but raises the output error. A last column checks that the file's Q4_K tensors already
 sit on a 4-bit grid per 32 weights (so 4-bit group-32 re-quantization looks unrealistically good
-on them; the README's Gemma section reports per source type for that reason): the relative
+on them; docs/ptq.md reports the Gemma sweep per source type for that reason): the relative
 weight error of asymmetric int4 with groups of 32 (Q4_K's own block
 size), which should be near zero on them alone. Run time: ~5 min on 2 cores.
 """

@@ -32,7 +32,7 @@ that share qjax-f32 for the ratios:
     --rows=qjax-f32,qjax-w8a8,qwix-int8-headf,qwix-int4-headf,hf-fp32,hf-bf16 \
       --out=results/peers_b
 
-The README's latest idle run (8 rows, one invocation):
+The run in docs/fast_decode.md (8 rows, one invocation):
 
     --rows=qjax-f32,qjax-bf16,qjax-int8,qjax-int4,qjax-w8a8,qjax-w4a8,hf-fp32,hf-bf16 \
       --out=results/peers_final

@@ -22,7 +22,7 @@ Expected run time: 38 min on a 2-core CPU (measured: quantization 2 s RTN, ~2 mi
   AWQ / SmoothQuant / LLM.int8(); evaluation ~1.5-3 min a point), peak RSS 11.3 GB.
 Expected metric (measured, WikiText-2 ppl, float 32.27): int8 per-channel 32.2-32.6 for every
   method; int4 g128 RTN 70.7, GPTQ 42.7, AWQ 42.5; int3 g128 RTN ~6000, GPTQ 174, AWQ 127;
-  W8A8 plain 33.1, SmoothQuant 32.4; LLM.int8() 32.4. Table: README ("Gemma 3 270M PTQ").
+  W8A8 plain 33.1, SmoothQuant 32.4; LLM.int8() 32.4. Table: docs/ptq.md.
 Results: results/gemma3_270m_ptq/{table.md, results.jsonl, ppl_vs_bytes.png,
   by_source_type.md, points/*/conversion_record.json}.
 """

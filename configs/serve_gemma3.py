@@ -37,7 +37,7 @@ Command:
   batching loses most. It runs once per seed in `tail_seeds` (32 requests each), with the
   ratio per seed and pooled (the seeds' traces served one after another).
   --config.quick_rows (4) and --config.quick_requests (32) set the rows and the heavy-tailed
-  traces' requests; the >= 2x target is met at 16 and 64 (measured below), not at 4 or 8
+  traces' requests; the >= 2x target is met at 16 and 64 (docs/engine.md), not at 4 or 8
   rows with 32 requests.
   Why uniform outputs cannot reach 2x: a static batch of B runs max(outputs) decode steps,
   continuous batching ~sum(outputs) / B, so their ratio is at most E[max of B] / E[mean]
@@ -45,40 +45,10 @@ Command:
   Only cheaper continuous steps could pass 2x there, and its steps carry prefill chunks.
 Expected run time: full ~20-30 minutes on 2 idle CPU cores (load ~20 s; each KV format
   compiles its step buckets once, ~1 min each); small ~5-8 minutes.
-Measured (small mode, under load: load average 17, 2026-12-02): continuous / static
-  throughput 1.68x; TTFT of system-prompt requests 2.52x lower with prefix caching, outputs
-  identical; int8 / int4 fit 4.0x / 7.75x the float32 cache's longest requests; 9 min, peak
-  RSS 3.0 GB; HF row not run (torch not installed in this venv).
-Measured (quick mode, first version: max_batch 8, outputs 1-48, with the HF row; under load,
-  load average 8-12): continuous / static 1.09x; prefix-caching TTFT 2.35x on the
-  unsaturated trace; HF generate 1.12 tokens/s vs 3.97 for static qjax; 13 min; RSS 4.5 GB.
-Measured (quick mode, packed steps + greedy argmax, under load: load average 9.4 -> 6.2,
-  falling during the run; 20 min, RSS 2.4 GB): prefix-hit TTFT 6.26x lower with prefix
-  caching on the unsaturated trace (3 hits; 3.06x over every system-prompt request);
-  continuous / static 0.70x uniform outputs, 2.65x heavy-tailed, both skewed by the load
-  (continuous ran first, on the least CPU); see the README for the alternating rerun.
-Measured (quick mode, idle: load average 1.2-1.8, 2026-12-03, ~7.5 min, RSS 2.3 GB; heavy-
-  tailed trace = 3 seeds x 32 requests, pooled): 4 rows, pages of 8 (the default now):
-  continuous / static 1.63x uniform, 1.69x heavy-tailed (1.66-1.72 per seed); paged waste
-  2.0-4.2%; prefix-hit TTFT 6.32x. Pages of 16: 1.41x, 1.75x (1.54-1.91), waste 4.2-8.4%.
-  8 rows (--config.quick_rows=8), pages of 16: 1.22x, 1.40x (1.23-1.70); static / continuous
-  steps 1.24x, 1.81-2.14x, but a continuous step cost 1.3-1.45x a static one (several chunks
-  in one step take the padded (8, 32) step).
-Measured (quick mode, idle, 2026-12-03, after the varlen step: one flat token list per step,
-  attention regrouped by sequence; ~6.8 min, RSS 3.1 GB): 4 rows: 1.60x uniform, 1.69x
-  heavy-tailed pooled (1.56-1.79 per seed); 8 rows (--config.quick_rows=8): 1.61x, 1.82x
-  (1.72-1.99); waste 2.0-4.2%; prefix-hit TTFT 5.3-5.4x. 16 rows and 64 requests per
-  heavy-tailed trace (--config.quick_rows=16 --config.quick_requests=64; 10.5 min, RSS
-  3.8 GB): 1.79x uniform, 2.28x heavy-tailed pooled (2.21-2.39 per seed: the >= 2x target
-  met), waste 1.9-4.1%, prefix-hit TTFT 4.8x.
-Measured (quick mode, idle, 2026-12-05, a 2-core Intel Xeon, decode blocks and
-  admit_within_s, two runs; ~3.5 min): 1.40x / 1.45x uniform, 1.69x / 1.66x heavy-tailed
-  pooled, prefix-hit TTFT 5.6-5.7x; the 2026-12-03 code on the same machine: 1.44-1.45x,
-  1.64-1.65x, 5.2-5.4x (docs/engine.md).
-Expected result: continuous >= 2x static throughput (static runs every batch to its longest
-  output); system-prompt requests' TTFT several times lower with prefix caching, outputs
-  identical; int8 / int4 caches fit ~3.9x / ~7.8x the sequences of the float32 cache (~2x /
-  ~3.9x of a bfloat16 one) in the same bytes.
+Expected result: continuous batching ahead of static (~1.7x at 4 rows on heavy-tailed
+  outputs, >= 2x at 16 rows and 64 requests); prefix-hit TTFT ~5x lower with prefix caching,
+  outputs identical; int8 / int4 caches fit ~4x / ~8x the sequences of the float32 cache (~2x
+  / ~4x of a bfloat16 one) in the same bytes. The measured runs: docs/engine.md.
 """
 
 import ml_collections
@@ -112,8 +82,7 @@ def get_config() -> ml_collections.ConfigDict:
                   max_len=320, ring=False)
   c.max_batch_limit = 32
   # Page size of the quick mode's pools; the full and small modes set theirs in `engine`.
-  # 8, not 16: half the partly filled last page. Measured idle (2026-12-03, quick mode, 4
-  # rows): paged waste 2.0-4.2% at 8 vs 4.2-8.4% at 16, tokens/s within run-to-run noise.
+  # 8, not 16: half the partly filled last page, at the same tokens/s (docs/engine.md).
   c.page_size = 8
   c.quick_rows = 4  # the quick mode's max_batch (its pool holds that many longest requests)
   c.quick_requests = 32  # requests of each heavy-tailed trace in the quick mode

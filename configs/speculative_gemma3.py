@@ -31,12 +31,8 @@ Expected metric: greedy agreement 1.0 on every greedy point (speculative greedy 
   greedy); |alpha - alpha_tv| within sampling noise; tokens / pass close to the formula.
   Speedups on this CPU are bounded by the draft's cost relative to the target's (a weight-
   quantized draft dequantizes on the fly, so on CPU it is not much cheaper per token than
-  the float target; the layer-skip draft is ~1/3 of it). Measured idle (2026-12-03, AVX2 Zen 3,
-  132 points of the --config.idle grid, 54 min; README): best 1.43x, int8 draft, gamma 2, greedy;
-  every greedy point token-identical to plain greedy.
-  Under load (benchmarks/speculative_bench --mode=drafts, gamma 4): an 8192-token head cuts
-  the int4 draft's step from 0.71-0.79 to 0.08-0.09 target steps at alpha 0.46-0.52; the
-  measured speedups stayed 0.22-0.50x (docs/speculative.md).
+  the float target; the layer-skip draft is ~1/3 of it). The measured sweep:
+  docs/speculative.md (best 1.43x, the int8 draft at gamma 2, greedy).
 """
 
 import ml_collections
