@@ -15,7 +15,7 @@ the running CPU (`cpu_flags()`): one built for flags this CPU lacks (a cache sha
 bigger machine) is never loaded, but rebuilt for this CPU (`info()['build']` says which).
 When it is missing (no compiler, no headers, a failed compile: one warning line at first use),
 fails to load, or `QJAX_CPU_KERNEL=0` is set, `available()` is False and qjax runs its XLA
-paths (`info()` says which and why). This package imports nothing else from qjax.
+paths (`info()` says which and why). Within qjax this package imports `qjax.target` alone.
 
 Two instruction sets, chosen when it is compiled (the CPU's best level of `_build.ISAS`;
 `isa()` says which), with the same forms, layouts and numerics: 'avx512' (AVX-512
