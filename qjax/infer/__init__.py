@@ -31,5 +31,6 @@ from qjax.infer.prefix_cache import PrefixCache, block_hashes
 from qjax.infer.scheduler import PREEMPTION_MODES, Scheduler, StepPlan
 from qjax.infer.scheduler import Sequence as SequenceState
 from qjax.infer.engine import Engine, EngineConfig, EngineStats
+from qjax.infer.engine_requests import GenerationError
 from qjax.infer.spec_engine import SpeculativeEngine
 # --- end engine ---

@@ -4,7 +4,10 @@ tokenizer and `step`).
 
 Every request is checked when it is added (`qjax.nn.validate` for the token ids, the
 scheduler for a request that could never fit), and a batch is all-or-nothing: one bad
-prompt queues none.
+prompt queues none. A request that fails while it runs (non-finite logits) ends alone, with
+finish reason 'error'; `generate` then raises `GenerationError`, which carries every
+prompt's output. `cancel` ends a request early; a `stream` closed or dropped before its
+requests finish cancels them, so they never run inside a later call.
 """
 
 from __future__ import annotations
@@ -13,9 +16,52 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from qjax.infer.sampling import SamplingParams, finish_reason
+from qjax.infer.sampling import SamplingParams, finish_reason, trim_stop_string
 from qjax.infer.scheduler import Sequence as SeqState
 from qjax.nn import validate
+
+
+class GenerationError(FloatingPointError):
+  """`Engine.generate`: some requests ended with 'error'; nothing computed is lost.
+
+  Attributes:
+    outputs: every prompt's generated tokens, in order (a failed one's up to its failure).
+    finish_reasons: every prompt's finish reason ('stop', 'length', 'error', ...).
+    errors: every prompt's error message, or None.
+    request_ids: every prompt's request id (for `Engine.finish_reason`, `error`, ...).
+  """
+
+  def __init__(self, message: str, outputs, finish_reasons, errors, request_ids):
+    super().__init__(message)
+    self.outputs, self.finish_reasons = outputs, finish_reasons
+    self.errors, self.request_ids = errors, request_ids
+
+
+class _Stream:
+  """The events of `Engine.stream`; closing or dropping it before the end cancels its
+  requests that have not finished (the engine then never runs them for another caller)."""
+
+  def __init__(self, engine, ids):
+    self._engine, self._ids, self._events = engine, ids, engine.run()
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    return next(self._events)
+
+  def close(self) -> None:
+    """Cancel this stream's unfinished requests."""
+    self._events.close()
+    for rid in self._ids:
+      if not self._engine._seqs[rid].finished:  # pylint: disable=protected-access
+        self._engine.cancel(rid)
+
+  def __del__(self):
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except
+      pass  # an engine torn down with the interpreter: nothing left to cancel
 
 
 class Requests:
@@ -77,14 +123,15 @@ class Requests:
     return seq.finish_reason is not None
 
   def stream(self, prompts: Sequence, params=None) -> Iterator[tuple[str, int]]:
-    """Queue `prompts` and yield (request id, token) as the steps generate them.
+    """Queue `prompts` and yield (request id, token) as the steps generate them (other
+    queued requests' tokens too). Closing the iterator, or dropping it, before the end
+    cancels the requests it queued that have not finished.
 
     Args:
       prompts: token-id lists (or texts, with a tokenizer).
       params: one SamplingParams for all, a list of one per prompt, or None (greedy).
     """
-    self._add_all(prompts, params)
-    return self.run()
+    return _Stream(self, self._add_all(prompts, params))
 
   def _add_all(self, prompts, params) -> list[str]:
     """Check every request, then queue them all (a bad one queues none)."""
@@ -107,40 +154,77 @@ class Requests:
     """Serve one request and yield its output text as it grows (needs a tokenizer).
 
     The whole output is decoded after each token and only the new suffix is yielded, held
-    back while it ends in an incomplete character (U+FFFD), so the pieces concatenate to
-    `tokenizer.decode(output)`. Other queued requests run alongside it.
+    back while it ends in an incomplete character (U+FFFD) or in the start of a stop string,
+    so the pieces concatenate to `tokenizer.decode(output)` cut before the first stop string
+    (`trim_stop_string`). Other queued requests run alongside it; closing the iterator early
+    cancels the request.
     """
     if self.tokenizer is None:
       raise ValueError('Engine.stream_text: build the engine with Engine(..., tokenizer=).')
     rid = self.add_request(prompt, params)
+    seq = self._seqs[rid]
+    stops = seq.params.stop_strings
     shown = ''
-    for got, _ in self.run():
-      if got != rid:
-        continue
-      text = self.tokenizer.decode(self._seqs[rid].output)
-      if text.startswith(shown) and len(text) > len(shown) and not text.endswith('\ufffd'):
-        yield text[len(shown):]
-        shown = text
-    text = self.tokenizer.decode(self._seqs[rid].output)
-    if text != shown:
-      yield text[len(shown):] if text.startswith(shown) else text
+    try:
+      for got, _ in self.run():
+        if got != rid:
+          continue
+        text = trim_stop_string(self.tokenizer.decode(seq.output), seq.params)
+        if not seq.finished:
+          text = text[:len(text) - _stop_prefix(text, stops)]
+        if text.startswith(shown) and len(text) > len(shown) and not text.endswith('\ufffd'):
+          yield text[len(shown):]
+          shown = text
+      text = trim_stop_string(self.tokenizer.decode(seq.output), seq.params)
+      if text != shown:
+        yield text[len(shown):] if text.startswith(shown) else text
+    finally:
+      if not seq.finished:
+        self.cancel(rid)
 
   def run(self) -> Iterator[tuple[str, int]]:
     """Step until every queued request is done, yielding (request id, token) events."""
-    while self.scheduler.has_work:
+    while self.scheduler.has_work or self._held_events:
       yield from self.step()
 
   def generate(self, prompts: Sequence, params=None) -> list[list[int]]:
     """The generated tokens of every prompt (in order), running them as one stream.
 
-    Every request is checked before any is queued: a bad one raises and queues none. A
-    request whose logits turn non-finite ends early with finish reason 'error'
-    (`finish_reason`, `error`).
+    Every request is checked before any is queued: a bad one raises and queues none.
+
+    Raises:
+      GenerationError: a request's logits turned non-finite (it ended with finish reason
+        'error'; the others ran to their end unharmed). The error names each failed prompt
+        and carries every prompt's output, finish reason and request id.
     """
     ids = self._add_all(prompts, params)
     for _ in self.run():
       pass
-    return [self._seqs[i].output for i in ids]
+    seqs = [self._seqs[i] for i in ids]
+    failed = [(i, s) for i, s in enumerate(seqs) if s.finish_reason not in ('stop', 'length')]
+    if failed:
+      i, first = failed[0]
+      raise GenerationError(
+          f'Engine.generate: {len(failed)} of {len(seqs)} prompts failed (prompt indices '
+          f'{[j for j, _ in failed][:10]}); prompt {i}: {first.error or first.finish_reason}. '
+          'The other prompts finished; every output is in this error\'s .outputs (and '
+          '.finish_reasons, .errors, .request_ids).',
+          [s.output for s in seqs], [s.finish_reason for s in seqs], [s.error for s in seqs],
+          ids)
+    return [s.output for s in seqs]
+
+  def cancel(self, request_id: str) -> bool:
+    """End `request_id` now (waiting or running) with finish reason 'cancelled', freeing its
+    row and pages; its tokens so far stay readable. Returns False if it had already
+    finished."""
+    seq = self._seq(request_id)
+    if not seq.finished and self._inflight is not None:
+      # A block queued on the device holds its row: book it, queueing none behind it.
+      self._held_events += self._run_inflight(queue=False)
+    if seq.finished:
+      return False
+    self.scheduler.cancel(seq)
+    return True
 
   def _seq(self, request_id) -> SeqState:
     seq = self._seqs.get(str(request_id))
@@ -156,7 +240,8 @@ class Requests:
     return self._seq(request_id).output
 
   def finish_reason(self, request_id: str) -> Optional[str]:
-    """'stop', 'length', 'error' (non-finite logits: see `error`), or None while it runs."""
+    """'stop', 'length', 'error' (non-finite logits: see `error`), 'cancelled' (`cancel`),
+    or None while it runs."""
     return self._seq(request_id).finish_reason
 
   def error(self, request_id: str) -> Optional[str]:
@@ -175,3 +260,10 @@ class Requests:
       raise ValueError(f'request {request_id}: log-probabilities were not requested; pass '
                        'SamplingParams(logprobs=True).')
     return seq.logprobs
+
+
+def _stop_prefix(text: str, stops) -> int:
+  """Length of the longest end of `text` that begins a stop string (held back: the next
+  token may complete it)."""
+  return max((n for s in stops for n in range(min(len(s) - 1, len(text)), 0, -1)
+              if text.endswith(s[:n])), default=0)

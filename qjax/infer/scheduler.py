@@ -55,7 +55,7 @@ class Sequence:
     prefix_hit_tokens: prompt positions taken from the prefix cache at admission.
     swapped: the host copy of its cached pages while it waits swapped out, else None.
     arrival: its place in arrival order (set by `Scheduler.add`): the priority.
-    finish_reason: 'stop', 'length' or 'error' once finished, else None.
+    finish_reason: 'stop', 'length', 'error' or 'cancelled' once finished, else None.
     error: why it ended with 'error' (non-finite logits), else None.
     page_hashes: the prefix cache's chain hashes of its prompt's full pages computed so far
       (each page is hashed once, not once per chunk).
@@ -346,6 +346,15 @@ class Scheduler:
                  'finite (NaN or inf), so no token was chosen; check the weights for NaN/inf '
                  'or compute in float32.')
     self.release(seq)
+
+  def cancel(self, seq: Sequence) -> None:
+    """End `seq` (waiting, swapped out or running) with finish reason 'cancelled', freeing
+    its row and pages."""
+    if seq in self.waiting:
+      self.waiting.remove(seq)
+    self.release(seq)
+    seq.swapped = None
+    seq.finished, seq.finish_reason = True, 'cancelled'
 
   def complete(self, plan: StepPlan, tokens: list[int], finished) -> list[tuple[str, int]]:
     """Apply a step's results: positions cached, sampled tokens appended, finished released.

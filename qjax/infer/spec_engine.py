@@ -76,9 +76,10 @@ def _round(target, draft, gamma, tcache, dcache, cur_B, gen_B, params):
   draft_BG = d_XB[:gamma].swapaxes(0, 1)
   q_BGV = q_XBV[:gamma].swapaxes(0, 1)
   x_BXD, tcache = paged.forward(target, jnp.concatenate([cur_B[:, None], draft_BG], 1), tcache)
-  # Non-finite target or draft logits: the request ends with 'error' (NON_FINITE first).
+  # Non-finite target logits where the row used them, or draft logits of the row's own
+  # context (the first draft step), end the request with 'error' (NON_FINITE first).
   num_acc_B, tokens_BX, beta_BG, _ = verify_round(
-      target.logits(x_BXD), q_BGV, draft_BG, params, gen_B, jnp.all(finite_XB, axis=0))
+      target.logits(x_BXD), q_BGV, draft_BG, params, gen_B, finite_XB[0])
   num_acc_B = jnp.where(tokens_BX[:, 0] == validate.NON_FINITE, 0, num_acc_B)
   return num_acc_B, tokens_BX, beta_BG, tcache, dcache
 

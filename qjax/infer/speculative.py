@@ -249,8 +249,12 @@ def verify_round(logits_BXV, q_BGV, draft_BG, params, gen_B, draft_finite_B):
   """Verify a round's gamma draft tokens against the target's logits over [cur, drafts]
   (`speculative_core.verify` on the processed distributions, with the acceptance and final
   streams of each row's keys at its round start gen_B). Returns (num_acc_B, tokens_BX,
-  beta_BG, p_BXV); a row whose target logits, or draft logits (`draft_finite_B`), were not
-  finite gets NON_FINITE as its first token, which ends it (never a draw from NaN)."""
+  beta_BG, p_BXV); a row whose target logits at a position it used (the accepted prefix and
+  the final draw), or whose first draft logits (`draft_finite_B`, of the row's own context),
+  were not finite gets NON_FINITE as its first token, which ends it (never a draw from NaN).
+  Non-finite logits after a draft token the target rejects belong to that proposal, not to
+  the request: a draft position with non-finite logits is rejected, and the final token
+  is drawn from the target's distribution there, so the row goes on."""
   b, x = logits_BXV.shape[:2]
   p_BXV = processed_logits(logits_BXV.reshape(b * x, -1),
                            jax.tree.map(lambda a: jnp.repeat(a, x), params)).reshape(b, x, -1)
@@ -260,7 +264,9 @@ def verify_round(logits_BXV, q_BGV, draft_BG, params, gen_B, draft_finite_B):
   # round at the same output position, whose history never depended on it.)
   num_acc_B, tokens_BX, beta_BG = speculative_core.verify(
       p_BXV, q_BGV, draft_BG, uniform_BG, row_keys(params.seed_B, gen_B, _FINAL))
-  finite_B = validate.finite_rows(logits_BXV.reshape(b, -1)) & draft_finite_B
+  finite_BX = validate.finite_rows(logits_BXV.reshape(b * x, -1)).reshape(b, x)
+  used_BX = jnp.arange(x)[None] <= num_acc_B[:, None]
+  finite_B = jnp.all(finite_BX | ~used_BX, axis=1) & draft_finite_B
   tokens_BX = tokens_BX.at[:, 0].set(jnp.where(finite_B, tokens_BX[:, 0], validate.NON_FINITE))
   return num_acc_B, tokens_BX, beta_BG, p_BXV
 

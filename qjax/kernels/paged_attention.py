@@ -157,6 +157,10 @@ def _triton_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, scaled, cfg):
     v_parts = _dequantized(v_ref[page, :, kv, :], scale(vs_ref), cfg['int4'])
     slot_1P = j * p + jax.lax.broadcasted_iota(jnp.int32, (1, p), 1)
     ok_GP = jnp.broadcast_to(_visible(slot_1P, q_pos, last, **cfg['mask']), (g, p))
+    # Masks select: a slot the query cannot see adds 0, even if it holds a stale NaN.
+    slot_P1 = j * p + jax.lax.broadcasted_iota(jnp.int32, (p, 1), 0)
+    seen_P1 = _visible(slot_P1, q_pos, last, **cfg['mask'])
+    v_parts = tuple(jnp.where(seen_P1, v, 0.0) for v in v_parts)
     return _online_step(state, q_parts, k_parts, v_parts, ok_GP, softcap=cfg['softcap'],
                         use_dot=False)
   init = (jnp.full((g, 1), _NEG, jnp.float32), jnp.zeros((g, 1), jnp.float32),
@@ -203,6 +207,10 @@ def _mosaic_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, kh, scaled, cf
     head_X1 = _div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), rows // kh)
     ok_XY = ((head_X1 == col_1Y - _div(col_1Y, kh) * kh)
              & _visible(slot_1Y, q_pos, last, **cfg['mask']))
+    # Masks select: a slot the query cannot see adds 0, even if it holds a stale NaN.
+    slot_Y1 = j * cfg['page_size'] + _div(jax.lax.broadcasted_iota(jnp.int32, (cols, 1), 0), kh)
+    seen_Y1 = _visible(slot_Y1, q_pos, last, **cfg['mask'])
+    v_parts = tuple(jnp.where(seen_Y1, v, 0.0) for v in v_parts)
     state = (m_scr[...], l_scr[...], tuple(a[...] for a in acc_scr))
     m_X1, l_X1, acc = _online_step(state, q_parts, k_parts, v_parts, ok_XY,
                                    softcap=cfg['softcap'], use_dot=True)

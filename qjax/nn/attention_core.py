@@ -42,10 +42,22 @@ def attention_mask(q_pos_BT: jax.Array, k_pos_BS: jax.Array,
   return mask
 
 
-def visible_values(v_BSKH: jax.Array, mask_BTS: jax.Array) -> jax.Array:
-  """`v_BSKH` with the slots no query sees set to zero: a masked softmax weight is 0, and 0
-  times a stale NaN (a page another request left) is NaN, so masks select, never multiply."""
-  return jnp.where(mask_BTS.any(axis=1)[:, :, None, None], v_BSKH, jnp.zeros((), v_BSKH.dtype))
+def weighted_values(probs_BKGTS: jax.Array, v_BSKH: jax.Array, mask_BTS: jax.Array,
+                    **einsum_kw) -> jax.Array:
+  """out_BKGTH = sum over S of probs * v, with masks that select, never multiply.
+
+  A masked slot's weight is 0, and 0 x NaN is NaN: a stale page another request left, or a
+  draft token the target rejects later in the same row, would turn every query NaN. Here a
+  slot whose value is not finite adds nothing to a query that cannot see it, and makes a
+  query that can see it NaN (the failure stays with the request it belongs to).
+  """
+  bad_BSK = ~jnp.all(jnp.isfinite(v_BSKH), axis=-1)
+  clean_BSKH = jnp.where(bad_BSK[..., None], jnp.zeros((), v_BSKH.dtype), v_BSKH)
+  out_BKGTH = jnp.einsum('BKGTS,BSKH->BKGTH', probs_BKGTS, clean_BSKH, **einsum_kw)
+  sees_bad_BKT = jnp.einsum('BTS,BSK->BKT', mask_BTS.astype(jnp.float32),
+                            bad_BSK.astype(jnp.float32)) > 0
+  return jnp.where(sees_bad_BKT[:, :, None, :, None], jnp.asarray(jnp.nan, out_BKGTH.dtype),
+                   out_BKGTH)
 
 
 def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_BT: jax.Array,
@@ -74,8 +86,8 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_BT: ja
   mask_BTS = attention_mask(q_pos_BT, k_pos_BS, window)
   logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
   probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKH.dtype)
-  out_BTKGH = jnp.einsum('BKGTS,BSKH->BTKGH', probs_BKGTS, visible_values(v_BSKH, mask_BTS))
-  return out_BTKGH.reshape(b, t, n, h).astype(q_BTNH.dtype)
+  out_BKGTH = weighted_values(probs_BKGTS, v_BSKH, mask_BTS)
+  return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_BTNH.dtype)
 
 
 def online_attend(q_BTNH: jax.Array, blocks: Any, fetch: Callable, q_pos_BT: jax.Array, *,
@@ -114,9 +126,8 @@ def online_attend(q_BTNH: jax.Array, blocks: Any, fetch: Callable, q_pos_BT: jax
     p_BKGTP = jnp.exp(logits_BKGTP - m_new[..., None])
     rescale = jnp.exp(m_BKGT - m_new)
     l_BKGT = l_BKGT * rescale + p_BKGTP.sum(-1)
-    v_BPKH = visible_values(v_BPKH.astype(q_BTNH.dtype), mask_BTP)
-    pv_BKGTH = jnp.einsum('BKGTP,BPKH->BKGTH', p_BKGTP.astype(q_BTNH.dtype), v_BPKH,
-                          preferred_element_type=jnp.float32)
+    pv_BKGTH = weighted_values(p_BKGTP.astype(q_BTNH.dtype), v_BPKH.astype(q_BTNH.dtype),
+                               mask_BTP, preferred_element_type=jnp.float32)
     return (m_new, l_BKGT, acc_BKGTH * rescale[..., None] + pv_BKGTH), None
 
   k_abs = jax.eval_shape(fetch, jax.tree.map(lambda x: x[0], blocks))[0]

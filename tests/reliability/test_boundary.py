@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qjax.infer import (Engine, EngineConfig, SamplingParams, SpeculativeEngine,
-                        sample_generate, speculative_generate)
+from qjax.infer import (Engine, EngineConfig, GenerationError, SamplingParams,
+                        SpeculativeEngine, sample_generate, speculative_generate)
 from qjax.nn import (Transformer, TransformerConfig, decode_step, greedy_generate, greedy_step,
                      init_cache, logits_step)
 from qjax.nn import validate
@@ -88,9 +88,11 @@ def test_a_jitted_forward_gives_nan_and_checked_forward_raises(model, nan_model)
   good = jnp.asarray([[1, 2, 3]], jnp.int32)
   np.testing.assert_allclose(validate.checked_forward(model, good), model(good), rtol=1e-5,
                              atol=1e-5)
-  # Under jit the gather would clamp id V to row V-1; the bad row's logits are NaN instead.
+  # Under jit the gather would clamp id V to row V-1; the logits from its position on are
+  # NaN instead (the positions before it never see it, so they keep their values).
   traced = np.asarray(jax.jit(lambda t: model(t))(jnp.asarray([[1, 2, V], [1, 2, 3]])))
-  assert np.isnan(traced[0]).all() and np.isfinite(traced[1]).all()
+  assert np.isnan(traced[0, 2]).all() and np.isfinite(traced[1]).all()
+  np.testing.assert_allclose(traced[0, :2], traced[1, :2], rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match=rf'checked_forward: a token id is outside the '
                                        rf'vocabulary \[0, {V}\)'):
     validate.checked_forward(model, jnp.asarray([[1, 2, V]], jnp.int32))
@@ -114,9 +116,10 @@ def test_nan_weights_end_engine_requests_with_error(nan_model, temperature, spec
   # The speculative engine's first step is a plain one (prefill): NaN shows there already.
   engine = (SpeculativeEngine(nan_model, nan_model, ENGINE, gamma=2) if speculative else
             Engine(nan_model, ENGINE))
-  out = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=temperature,
-                                                            max_tokens=4))
-  assert out == [[], []]  # never token 0
+  with pytest.raises(GenerationError, match='2 of 2 prompts failed') as info:
+    engine.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=temperature,
+                                                        max_tokens=4))
+  assert info.value.outputs == [[], []]  # never token 0
   assert [engine.finish_reason(i) for i in ('0', '1')] == ['error', 'error']
   assert 'logits for output token 0 are not finite' in engine.error('0')
   assert not engine.scheduler.has_work and engine.allocator.num_free == ENGINE.num_pages - 1
@@ -150,5 +153,6 @@ def test_a_speculative_round_with_non_finite_logits_ends_the_request(model, nan_
   # A healthy target, a NaN draft: the prompt step is the target's (fine); the first round
   # sees the draft's NaN and ends the request with 'error' instead of drawing from NaN.
   engine = SpeculativeEngine(model, nan_model, ENGINE, gamma=2)
-  out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
-  assert engine.finish_reason('0') == 'error' and len(out[0]) == 1
+  with pytest.raises(GenerationError) as info:
+    engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
+  assert engine.finish_reason('0') == 'error' and len(info.value.outputs[0]) == 1
