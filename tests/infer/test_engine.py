@@ -213,3 +213,16 @@ def test_stream_text_pieces_concatenate_to_the_decoded_output(model):
   assert out == _alone(model, tok.encode('héllo'), 6)  # 6 prompt bytes: é is two
   with pytest.raises(ValueError, match='stream_text: build the engine with'):
     next(Engine(model).stream_text([1, 2]))
+
+
+def test_stream_text_cuts_the_stop_string_as_its_docstring_says(model):
+  tok = _ByteTokenizer()
+  config = EngineConfig(max_batch=2, page_size=4, num_pages=32, chunk_size=8)
+  full = tok.decode(_alone(model, tok.encode('hello'), 12))
+  at = next(i for i in range(2, len(full) - 1) if '\ufffd' not in full[i:i + 2])
+  stop = full[at:at + 2]  # two characters from the middle of the output
+  engine = Engine(model, config, tokenizer=tok)
+  params = SamplingParams(temperature=0.0, max_tokens=12, stop_strings=(stop,))
+  pieces = list(engine.stream_text('hello', params))
+  assert engine.finish_reason('0') == 'stop'
+  assert ''.join(pieces) == full[:full.find(stop)] and stop not in ''.join(pieces)
