@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -341,12 +342,42 @@ def markdown(result: dict) -> str:
            f"- date: {result['date']}",
            f"- host: {result['host']}",
            f"- jax {result['jax']}; compile-only toolchain: {result['toolchain']}",
+           f"- qjax: {result.get('qjax', 'unknown')}",
            f"- command: `{result['command']}`",
            f"- formats: {', '.join(f'{f} ({programs.DESCRIPTIONS[f]})' for f in plan['formats'])}",
            '', '| ' + ' | '.join(COLUMNS) + ' |', '|' + '---|' * len(COLUMNS)]
   lines += ['| ' + ' | '.join(c.replace('|', '/') for c in cells(r)) + ' |'
             for r in result['rows']]
   return '\n'.join(lines + errors(result)) + '\n'
+
+
+def _cell(row: dict) -> str:
+  r = row['report']
+  if not r['compiled']:
+    return 'refused'
+  fit = '' if r['fits'] else ', DOES NOT FIT'
+  return (f"{_num(row['roofline_ms_per_token'])} ({_num(row['speedup_vs_bf16'], '{:.2f}x')}), "
+          f"{_bytes(r['peak_bytes'])}{fit}")
+
+
+def summary(results: list) -> str:
+  """One model's programs and formats across the targets (markdown): roofline ms/token, the
+  speedup over bf16 and the peak memory per device."""
+  first = results[0]
+  names = [r['target']['name'] for r in results]
+  by = {(r['target']['name'], row['program'], row['format']): row
+        for r in results for row in r['rows']}
+  rows = [row for r in results for row in r['rows']]
+  progs = list(dict.fromkeys(row['program'] for row in rows))
+  fmts = list(dict.fromkeys(row['format'] for row in rows))
+  keys = [(p, f) for p in progs for f in fmts]
+  lines = [f"{first['label']}: roofline ms/token (speedup over bf16), peak memory per device. "
+           f'Every figure is {PREDICTION}.', '',
+           '| program | format | ' + ' | '.join(names) + ' |', '|---|---|' + '---|' * len(names)]
+  for prog, fmt in keys:
+    lines.append(f'| {prog} | {fmt} | ' + ' | '.join(
+        _cell(by[(t, prog, fmt)]) if (t, prog, fmt) in by else '-' for t in names) + ' |')
+  return '\n'.join(lines) + '\n'
 
 
 # ---------------------------------------------------------------------------- plot
@@ -373,11 +404,11 @@ def plot(result: dict, path: str) -> None:
     axes[1].bar(xs, peak, width, label=fmt, color=f'C{j}')
   axes[1].axhline(result['target']['hbm_per_device'] / 1e9, color='r', ls='--',
                   label='HBM per device')
-  for ax, ylabel in ((axes[0], 'roofline ms per token (log)'), (axes[1], 'peak GB per device')):
+  for ax, ylabel in ((axes[0], 'roofline ms per token'), (axes[1], 'peak GB per device')):
     ax.set_xticks(range(len(progs)), progs, rotation=15, fontsize=8)
-    ax.set_ylabel(ylabel)
+    ax.set(ylabel=ylabel + ' (log)', yscale='log')
     ax.grid(True, axis='y', alpha=0.3)
-  axes[0].set_yscale('log')
+  axes[0].legend(handles=[axes[0].collections[0]], fontsize=7, loc='lower right')
   axes[1].legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.02, 1.0))
   t = result['target']
   fig.suptitle(f"{result['label']} on a compile-only {t['name']} ({t['device_kind']}): the "
@@ -388,6 +419,18 @@ def plot(result: dict, path: str) -> None:
 
 
 # ---------------------------------------------------------------------------- main
+def revision() -> str:
+  """The checkout's commit, and whether qjax/ differs from it (results name the code)."""
+  git = lambda *a: subprocess.run(['git', '-C', _REPO, *a], capture_output=True, text=True,  # noqa
+                                  check=False).stdout.strip()
+  try:
+    rev, dirty = git('rev-parse', '--short', 'HEAD'), git('status', '--porcelain', 'qjax')
+  except OSError:
+    return 'unknown (no git)'
+  return (rev or 'unknown (not a git checkout)') + (' + uncommitted changes in qjax/'
+                                                    if dirty else '')
+
+
 def _say(text: str) -> None:
   print(text, flush=True)  # a long run's progress reaches a log file as it happens
 
@@ -421,7 +464,7 @@ def run(c, say=_say) -> list:
         date=datetime.date.today().isoformat(),
         time=datetime.datetime.now().isoformat(timespec='seconds'), host=host,
         jax=jax.__version__, toolchain=aot.toolchain.read_manifest(),
-        command=command)
+        qjax=revision(), command=command)
     out = os.path.join(out_root, f'{plan.name}-{target}')
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, 'aot.json'), 'w') as f:
@@ -432,6 +475,10 @@ def run(c, say=_say) -> list:
     say(text_table(result))
     say(f'wrote {out}/aot.json, aot.md and aot.png\n')
     results.append(result)
+  path = os.path.join(out_root, f'{plan.name}-summary.md')
+  with open(path, 'w') as f:
+    f.write(summary(results))
+  say(summary(results) + f'wrote {path}')
   return results
 
 
