@@ -128,7 +128,7 @@ def make_tiny(compare: bool) -> None:
     if compare:
       from qjax.checkpoints import safetensors_io  # pylint: disable=g-import-not-at-top
       from qjax.eval import logits as qjax_logits  # pylint: disable=g-import-not-at-top
-      qmodel, _ = safetensors_io.load_safetensors(out)
+      qmodel, _ = safetensors_io.load_hf(out)
       diff = np.abs(np.asarray(qjax_logits(qmodel, tokens)) - logits).max()
       msg += f', max |logit diff| qjax vs HF {diff:.2e} (|logits| <= {np.abs(logits).max():.2f})'
     print(msg, flush=True)

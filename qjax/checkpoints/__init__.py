@@ -18,7 +18,7 @@ from qjax.checkpoints.gemma3 import gemma3_270m_path, load_gemma3_270m
 from qjax.checkpoints.gguf import GEMMA3_FACTS, gguf_config, load_gguf, open_gguf
 from qjax.checkpoints.params import model_from_params, model_params, param_shapes
 from qjax.checkpoints.hf_tokenizer import HFTokenizer
-from qjax.checkpoints.safetensors_io import hf_config, load_hf, load_safetensors
+from qjax.checkpoints.safetensors_io import hf_config, load_hf
 from qjax.checkpoints.tokenizer import build_tokenizer, check_vocab, gguf_tokenizer
 
 __all__ = [
@@ -28,7 +28,7 @@ __all__ = [
     'logits_fingerprint', 'record_sha256', 'validate_record',
     'digest', 'file_sha256', 'gemma3_270m_path', 'gguf_config', 'gguf_tokenizer',
     'hardware_info', 'hf_config', 'load_gemma3_270m', 'load_gguf', 'load_quantized',
-    'HFTokenizer', 'load_hf', 'load_safetensors', 'model_from_params', 'model_params',
+    'HFTokenizer', 'load_hf', 'model_from_params', 'model_params',
     'open_gguf', 'param_shapes',
     'policy_from_dict', 'policy_to_dict', 'read_record', 'restore_state', 'runtime_info',
     'save_quantized', 'save_state', 'skeleton', 'structure_fields', 'tree_sha256',

@@ -119,7 +119,7 @@ def architecture(reader) -> str:
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ValueError(f'GGUF architecture {arch!r} is not supported: qjax reads '
                      f'{SUPPORTED_ARCHITECTURES} from GGUF. Load Llama/Qwen2/Mistral models '
-                     'from their HF safetensors with qjax.checkpoints.load_safetensors.')
+                     'from their HF safetensors with qjax.checkpoints.load_hf.')
   return arch
 
 

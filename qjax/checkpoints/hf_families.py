@@ -25,6 +25,7 @@ value and what is supported: a model that loads with wrong logits is worse than 
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from qjax.nn import TransformerConfig
@@ -152,17 +153,54 @@ def _window(c: dict, mt: str, n: int) -> dict:
   return dict(sliding_window=int(window), global_every=every)
 
 
+def _rope_object(c: dict, key: str) -> Optional[dict]:
+  """config.json's `key` ('rope_parameters', 'rope_scaling'), which must be an object."""
+  value = c.get(key)
+  if value is not None and not isinstance(value, dict):
+    _refuse(f'{key}={value!r} is a {type(value).__name__}, not an object; write it as '
+            f'"{key}": {{"rope_type": "linear", "factor": 4.0}} (the rope_type and its '
+            'parameters), or null for plain RoPE.')
+  return value
+
+
 def _rope_dicts(c: dict) -> tuple[dict, Optional[dict]]:
-  """(global layers' rope parameters, sliding layers' or None), from either HF layout."""
-  rp = c.get('rope_parameters')
-  if isinstance(rp, dict) and ('full_attention' in rp or 'sliding_attention' in rp):
-    return dict(rp.get('full_attention') or {}), rp.get('sliding_attention')
-  glob = dict(rp or c.get('rope_scaling') or {})
-  glob.setdefault('rope_theta', c.get('rope_theta', 10_000.0))
+  """(global layers' rope parameters, sliding layers' or None), from either HF layout.
+
+  Both layouts at once (`rope_parameters` and the older `rope_scaling`) must mean the same
+  scaling: transformers applies `rope_scaling` over `rope_parameters`, so one that says
+  otherwise is refused rather than silently dropped."""
+  rp, rs = _rope_object(c, 'rope_parameters'), _rope_object(c, 'rope_scaling')
   local = None
-  if c.get('rope_local_base_freq') is not None:  # Gemma 3 before rope_parameters
-    local = {'rope_type': 'default', 'rope_theta': c['rope_local_base_freq']}
+  if rp and ('full_attention' in rp or 'sliding_attention' in rp):
+    for key in ('full_attention', 'sliding_attention'):
+      if rp.get(key) is not None and not isinstance(rp[key], dict):
+        _refuse(f'rope_parameters[{key!r}]={rp[key]!r} must be an object (a rope_type and '
+                'its parameters).')
+    glob, local = dict(rp.get('full_attention') or {}), rp.get('sliding_attention')
+  else:
+    glob = dict(rp or rs or {})
+    glob.setdefault('rope_theta', c.get('rope_theta', 10_000.0))
+    if c.get('rope_local_base_freq') is not None:  # Gemma 3 before rope_parameters
+      local = {'rope_type': 'default', 'rope_theta': c['rope_local_base_freq']}
+  theta = lambda r: r.get('rope_theta', glob.get('rope_theta'))
+  if rp and rs and (_scaling(rs, c) != _scaling(glob, c) or theta(rs) != theta(glob)):
+    _refuse(f'rope_parameters {rp} and rope_scaling {rs} give different RoPE scalings '
+            "(transformers applies rope_scaling, so the model's logits depend on which one is "
+            'meant); keep the one the checkpoint was trained with and delete the other.')
   return glob, local
+
+
+def _number(r: dict, key: str, kind: str, *, integer: bool = False):
+  """A rope parameter that must be a positive number (or integer), or None when absent."""
+  v = r.get(key)
+  if v is None:
+    return None
+  if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+      or (integer and float(v) != int(v))):
+    _refuse(f'rope parameter {key}={v!r} (rope_type {kind!r}) must be a positive '
+            f'{"integer" if integer else "number"}; fix config.json (or take the one saved '
+            'with the weights).')
+  return int(v) if integer else float(v)
 
 
 def _scaling(r: dict, c: dict) -> tuple[Optional[RopeScaling], Optional[int]]:
@@ -178,33 +216,46 @@ def _scaling(r: dict, c: dict) -> tuple[Optional[RopeScaling], Optional[int]]:
   if float(r.get('partial_rotary_factor') or 1.0) != 1.0:
     _refuse(f"partial_rotary_factor={r['partial_rotary_factor']} is not supported (RoPE on "
             'the whole head only).')
-  max_pos = int(c.get('max_position_embeddings', 2048))
-  original = r.get('original_max_position_embeddings')
+  max_pos = _max_positions(c)
+  num = lambda key, **kw: _number(r, key, kind, **kw)
+  num('rope_theta')
+  original = num('original_max_position_embeddings', integer=True)
+  factor = num('factor')
   if kind == 'default':
     return None, None
   if kind == 'dynamic':  # identical to plain RoPE up to max_position_embeddings
     return None, max_pos
-  factor = r.get('factor')
   if kind == 'yarn':
-    original = int(original or max_pos)
-    factor = float(factor if factor is not None else max_pos / original)
-    attention = r.get('attention_factor')
+    original = original or max_pos
+    factor = factor if factor is not None else max_pos / original
+    attention = num('attention_factor')
     if attention is None:
       attention = yarn_attention_factor(factor, r.get('mscale'), r.get('mscale_all_dim'))
+    beta_fast, beta_slow = num('beta_fast'), num('beta_slow')
     return RopeScaling('yarn', factor, original_max_len=original,
-                       beta_fast=float(r.get('beta_fast') or 32),
-                       beta_slow=float(r.get('beta_slow') or 1),
+                       beta_fast=32.0 if beta_fast is None else beta_fast,
+                       beta_slow=1.0 if beta_slow is None else beta_slow,
                        truncate=bool(r.get('truncate', True)),
                        attention_factor=float(attention)), None
   if factor is None:
     _refuse(f'rope_type {kind!r} needs a factor.')
   if kind == 'linear':
-    return RopeScaling('linear', float(factor)), None
+    return RopeScaling('linear', factor), None
   if original is None:
     _refuse("rope_type 'llama3' needs original_max_position_embeddings.")
-  return RopeScaling('llama3', float(factor), original_max_len=int(original),
-                     low_freq_factor=float(r.get('low_freq_factor', 1.0)),
-                     high_freq_factor=float(r.get('high_freq_factor', 4.0))), None
+  low, high = num('low_freq_factor'), num('high_freq_factor')
+  return RopeScaling('llama3', factor, original_max_len=original,
+                     low_freq_factor=1.0 if low is None else low,
+                     high_freq_factor=4.0 if high is None else high), None
+
+
+def _max_positions(c: dict) -> int:
+  """max_position_embeddings (2048 when absent), a positive integer."""
+  v = c.get('max_position_embeddings', 2048)
+  if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    _refuse(f'max_position_embeddings={v!r} must be a positive integer (the longest context '
+            'the checkpoint was trained for).')
+  return v
 
 
 def _rope(c: dict) -> dict:
@@ -218,7 +269,7 @@ def _rope(c: dict) -> dict:
       _refuse(f"sliding layers' rope_type {local.get('rope_type')!r}: qjax scales only the "
               "global layers' RoPE; sliding layers use 'default'.")
     out['local_rope_base'] = float(local.get('rope_theta', 10_000.0))
-  max_len = int(c.get('max_position_embeddings', 2048))
+  max_len = _max_positions(c)
   out['max_len'] = min(max_len, cap) if cap else max_len
   return out
 
@@ -242,6 +293,9 @@ def hf_config(c: dict, param_dtype: str = 'float32') -> TransformerConfig:
   Raises:
     ValueError: an unsupported model_type, activation, RoPE type or option, naming it.
   """
+  if not isinstance(c, dict):
+    _refuse(f'holds a JSON {type(c).__name__}, not an object; a HF config.json is one object '
+            '({"model_type": ..., "hidden_size": ...}): take the one saved with the weights.')
   c = text_config(c)
   mt = _check_family(c)
   d, n = int(c['hidden_size']), int(c['num_attention_heads'])
@@ -250,7 +304,11 @@ def hf_config(c: dict, param_dtype: str = 'float32') -> TransformerConfig:
   gemma = mt in _GEMMA
   extra = {}
   if gemma:  # absent keys take HF's defaults of the family
-    scalar = c.get('query_pre_attn_scalar') or 256
+    scalar = c.get('query_pre_attn_scalar', 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not scalar > 0:
+      _refuse(f'query_pre_attn_scalar={scalar!r} must be a positive number (queries are '
+              'scaled by its inverse square root; Gemma uses 256, or head_dim); fix '
+              'config.json.')
     c = {**_SOFTCAP_DEFAULTS[mt], **c}
     softcap = lambda key: float(c[key]) if c[key] else None
     extra = dict(embed_scale=True, post_norms=True, norm_plus_one=True,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from typing import Optional
 
@@ -42,7 +43,7 @@ from qjax.checkpoints.hf_families import (SUPPORTED_MODEL_TYPES, hf_config, rope
 from qjax.checkpoints.params import model_from_params, param_shapes
 from qjax.nn import Transformer, TransformerConfig
 
-__all__ = ['SUPPORTED_MODEL_TYPES', 'hf_config', 'hf_shapes', 'load_hf', 'load_safetensors']
+__all__ = ['SUPPORTED_MODEL_TYPES', 'hf_config', 'hf_shapes', 'load_hf']
 
 _IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)  # buffers some old checkpoints saved
 # Text-tower prefixes of multimodal checkpoints -> the causal-LM names; skipped towers.
@@ -95,9 +96,30 @@ def hf_shapes(cfg: TransformerConfig) -> dict[str, tuple[tuple[int, ...], str, s
   return out
 
 
+# Weight dtypes a checkpoint may store (read via float32); integer or bool tensors are
+# another tool's quantized codes or a broken file, never weights to cast.
+_FLOAT_DTYPES = ('F64', 'F32', 'F16', 'BF16', 'float64', 'float32', 'float16', 'bfloat16')
+
+
+def regular_file(path: str) -> None:
+  """Raise unless `path` (after symlinks) is a regular file: a FIFO would block a reader
+  forever, a device or directory is no checkpoint file."""
+  if os.path.islink(path) and not os.path.exists(path):
+    raise ValueError(f'{path}: a symlink to {os.readlink(path)!r}, which does not exist (a '
+                     'dangling link: the file it pointed to was deleted); download it again.')
+  mode = os.stat(path).st_mode
+  if not stat.S_ISREG(mode):
+    kind = ('a FIFO' if stat.S_ISFIFO(mode) else 'a directory' if stat.S_ISDIR(mode) else
+            'a socket' if stat.S_ISSOCK(mode) else 'a device' if stat.S_ISCHR(mode) or
+            stat.S_ISBLK(mode) else 'not a regular file')
+    raise ValueError(f'{path}: {kind}, not a regular file; a checkpoint holds regular files '
+                     '(replace it with the downloaded file).')
+
+
 def read_config(directory: os.PathLike) -> dict:
   """The parsed config.json of a HF checkpoint directory (a clear error when unreadable)."""
   cfg_path = os.path.join(os.fspath(directory), 'config.json')
+  regular_file(cfg_path)
   try:
     with open(cfg_path, encoding='utf-8') as fh:
       return json.load(fh)
@@ -109,20 +131,28 @@ def read_config(directory: os.PathLike) -> dict:
 def weight_files(directory: str) -> list[str]:
   """The safetensors files of a checkpoint: its index's shards, else every *.safetensors."""
   index = os.path.join(directory, INDEX_NAME)
-  if os.path.isfile(index):
+  if os.path.lexists(index):
+    regular_file(index)
     try:
       with open(index, encoding='utf-8') as fh:
         shards = sorted(set(json.load(fh)['weight_map'].values()))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
       raise ValueError(f'{index}: not a safetensors index ({type(e).__name__}: {e}); it '
                        "needs a 'weight_map' object: download it again.") from None
-    missing = [f for f in shards if not os.path.isfile(os.path.join(directory, f))]
+    missing = [f for f in shards if not os.path.lexists(os.path.join(directory, f))]
     if missing:
       raise ValueError(f'{directory!r}: shards {missing[:4]} named by {INDEX_NAME} are '
                        'missing; download every shard of the checkpoint.')
     return [os.path.join(directory, f) for f in shards]
-  return sorted(os.path.join(directory, f) for f in os.listdir(directory)
-                if f.endswith('.safetensors'))
+  found = sorted(f for f in os.listdir(directory) if f.endswith('.safetensors'))
+  if len(found) > 1:
+    # transformers reads model.safetensors alone; another file beside it would redefine
+    # tensors without anything saying which copy is meant.
+    raise ValueError(f'{directory!r}: {len(found)} safetensors files {found[:6]} and no '
+                     f'{INDEX_NAME} to say which tensor lives where; move the files that are '
+                     'not part of the checkpoint away (transformers reads model.safetensors '
+                     'alone), or add the index that save_pretrained writes for shards.')
+  return [os.path.join(directory, f) for f in found]
 
 
 def load_hf(directory: os.PathLike, *, param_dtype: str = 'float32',
@@ -149,7 +179,7 @@ def load_hf(directory: os.PathLike, *, param_dtype: str = 'float32',
   directory = os.fspath(directory)
   cfg_path = os.path.join(directory, 'config.json')
   files = weight_files(directory) if os.path.isdir(directory) else []
-  if not os.path.isfile(cfg_path) or not files:
+  if not os.path.lexists(cfg_path) or not files:
     raise ValueError(f'{directory!r} must hold config.json and *.safetensors (a HF '
                      '`save_pretrained` directory); found '
                      f'{sorted(os.listdir(directory)) if os.path.isdir(directory) else "nothing"}.')
@@ -166,9 +196,8 @@ def load_hf(directory: os.PathLike, *, param_dtype: str = 'float32',
   expected = hf_shapes(cfg)
   handles, names, tied_head = {}, {}, None
   for path in files:
-    if not os.path.exists(path):  # a dangling symlink (a deleted HF cache blob)
-      raise ValueError(f'{path}: a symlink to {os.readlink(path)!r}, which does not exist (a '
-                       'dangling link: the file it pointed to was deleted); download it again.')
+    regular_file(path)  # a dangling link (a deleted HF cache blob), a FIFO, a directory
+  for path in files:
     try:
       fh = safe_open(path, framework='flax')
     except Exception as e:  # pylint: disable=broad-except  (SafetensorError is not exported)
@@ -186,7 +215,14 @@ def load_hf(directory: os.PathLike, *, param_dtype: str = 'float32',
                          f'{model_type} model as config.json describes it '
                          f'(tie_word_embeddings={cfg.tie_embeddings}, qkv bias={cfg.qkv_bias}, '
                          f'qk norm={cfg.qk_norm}).')
-      got = tuple(fh.get_slice(stored).get_shape())
+      stored_slice = fh.get_slice(stored)
+      dtype = stored_slice.get_dtype()
+      if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f'{os.path.basename(path)}: tensor {stored!r} is stored as {dtype}, '
+                         'not as floats (F32, F16, BF16); integer or bool weights are codes '
+                         'of another quantizer or a broken file, and casting them would give '
+                         'a wrong model; give the float or bf16 checkpoint.')
+      got = tuple(stored_slice.get_shape())
       if got != expected[name][0]:
         raise ValueError(f'{os.path.basename(path)}: tensor {stored!r} has shape {got}, but '
                          f'config.json (hidden_size={cfg.d_model}, heads={cfg.num_heads}/'
@@ -217,6 +253,3 @@ def load_hf(directory: os.PathLike, *, param_dtype: str = 'float32',
                      files=[os.path.basename(f) for f in files],
                      source_dtypes=sorted(dtypes), seconds=time.perf_counter() - t0)
 
-
-# The name it had when it loaded Llama / Qwen2 / Mistral only.
-load_safetensors = load_hf

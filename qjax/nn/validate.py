@@ -63,6 +63,14 @@ def token_ids(tokens: Any, vocab_size: int, what: str, *, ndim: Optional[int] = 
     except ValueError:  # ragged nested lists
       raise ValueError(f'{what}: token ids {_short(tokens)} are ragged; give every row the '
                        'same length (pad, or run the rows separately).') from None
+    if not isinstance(tokens, np.ndarray):  # numpy would turn True into 1 and 3 into '3'
+      elements = np.asarray(tokens, dtype=object)
+      flags = [x for x in elements.ravel() if isinstance(x, (bool, np.bool_))]
+      if flags:
+        raise ValueError(f'{what}: token id {flags[0]!r} is a bool, not an integer; pass int '
+                         "ids (the tokenizer's output).")
+      if ids.dtype.kind in 'USV':
+        ids = elements
   if ids.dtype == object or ids.dtype.kind in 'USV':
     flat = np.ravel(ids)
     not_int = [x for x in flat if not isinstance(x, numbers.Integral) or isinstance(x, bool)]

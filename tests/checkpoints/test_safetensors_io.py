@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip('safetensors')
 
-from qjax.checkpoints.safetensors_io import hf_config, load_safetensors  # noqa: E402
+from qjax.checkpoints.safetensors_io import hf_config, load_hf  # noqa: E402
 from qjax.core import int_format  # noqa: E402
 from qjax.eval import logits  # noqa: E402
 from qjax.nn import QuantPolicy, QuantRule, quantize_model  # noqa: E402
@@ -25,7 +25,7 @@ NAMES = ('llama', 'qwen2', 'mistral')
 
 @pytest.mark.parametrize('name', NAMES)
 def test_logits_match_hf_float32(name):
-  model, info = load_safetensors(TINY / name)
+  model, info = load_hf(TINY / name)
   golden = np.load(TINY / name / 'golden.npz')
   got = np.asarray(logits(model, golden['tokens']))
   assert np.abs(golden['logits']).max() > 1.0  # the comparison is not of near-zero logits
@@ -34,9 +34,9 @@ def test_logits_match_hf_float32(name):
 
 
 def test_each_tiny_model_exercises_its_family_option():
-  llama = load_safetensors(TINY / 'llama')[1]['config']
-  qwen2 = load_safetensors(TINY / 'qwen2')[1]['config']
-  mistral, info = load_safetensors(TINY / 'mistral')
+  llama = load_hf(TINY / 'llama')[1]['config']
+  qwen2 = load_hf(TINY / 'qwen2')[1]['config']
+  mistral, info = load_hf(TINY / 'mistral')
   assert not llama.tie_embeddings and llama.num_kv_heads == 2 and llama.sliding_window is None
   assert qwen2.tie_embeddings and qwen2.qkv_bias and qwen2.num_kv_heads == 1
   assert qwen2.rope_base == 1e6
@@ -46,7 +46,7 @@ def test_each_tiny_model_exercises_its_family_option():
 
 
 def test_quantize_model_runs_on_a_loaded_llama():
-  model, _ = load_safetensors(TINY / 'llama')
+  model, _ = load_hf(TINY / 'llama')
   golden = np.load(TINY / 'llama' / 'golden.npz')
   qmodel, _ = quantize_model(model, QuantPolicy((QuantRule('.*', int_format(8)),)))
   got = np.asarray(logits(qmodel, golden['tokens']))
@@ -82,7 +82,7 @@ def test_config_that_does_not_match_the_weights_is_a_clear_error(tmp_path, chang
   directory = _copy(tmp_path)
   _edit_config(directory, **changes)
   with pytest.raises(ValueError, match=match):
-    load_safetensors(directory)
+    load_hf(directory)
 
 
 def test_missing_tensor_and_missing_files(tmp_path):
@@ -92,9 +92,9 @@ def test_missing_tensor_and_missing_files(tmp_path):
   del tensors['model.layers.1.self_attn.k_proj.bias']
   save_file(tensors, directory / 'model.safetensors')
   with pytest.raises(ValueError, match=r"layers.1.self_attn.k_proj.bias'\] required"):
-    load_safetensors(directory)
+    load_hf(directory)
   with pytest.raises(ValueError, match='must hold config.json'):
-    load_safetensors(tmp_path / 'nowhere')
+    load_hf(tmp_path / 'nowhere')
 
 
 def test_qwen2_sliding_layers():

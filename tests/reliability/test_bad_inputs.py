@@ -117,7 +117,7 @@ def test_truncated_safetensors_names_the_file(tmp_path):
   f = d / 'model.safetensors'
   f.write_bytes(f.read_bytes()[:40])
   with pytest.raises(ValueError, match=r'not a readable safetensors file') as e:
-    qckpt.load_safetensors(d)
+    qckpt.load_hf(d)
   assert str(f) in str(e.value)
 
 
@@ -125,7 +125,7 @@ def test_broken_config_json_names_the_file(tmp_path):
   d = _hf_copy(tmp_path)
   (d / 'config.json').write_text('{"model_type": "llama",')
   with pytest.raises(ValueError, match=r'not valid JSON') as e:
-    qckpt.load_safetensors(d)
+    qckpt.load_hf(d)
   assert str(d / 'config.json') in str(e.value)
 
 
@@ -139,7 +139,7 @@ def test_nan_weights_are_refused_on_load(tmp_path):
   tensors[name] = w
   save_file(tensors, str(d / 'model.safetensors'))
   with pytest.raises(ValueError, match=r"parameter '.*up_proj.*' holds 1 NaN/Inf values"):
-    qckpt.load_safetensors(d)
+    qckpt.load_hf(d)
 
 
 def test_gguf_cache_entry_is_verified_by_content(tmp_path):

@@ -106,6 +106,8 @@ def test_greedy_generate_num_steps_must_be_an_int(model, num_steps):
     ([[1, 2], [3, 4]], r'token ids of shape \(2, 2\); expected shape \(T,\), one prompt; pass '
                        r'one prompt'),
     ([1.0, 2.0], r'token ids must be integers, got dtype float64'),
+    ([1, '3'], r"request \w+: token id '3' is not an integer"),  # was '1', numpy's str of 1
+    ([True, 2], r'request \w+: token id True is a bool, not an integer'),  # was accepted
 ])
 def test_add_request_prompts(engine, prompt, message):
   with pytest.raises(ValueError, match=message):
@@ -151,7 +153,7 @@ def test_safetensors_config_missing_a_key(tmp_path):
   (d / 'config.json').write_text(json.dumps(config))
   with pytest.raises(ValueError, match=r"config.json: missing \['intermediate_size'\] "
                                        r"\(model_type 'llama' needs"):
-    qckpt.load_safetensors(d)
+    qckpt.load_hf(d)
 
 
 def test_dangling_safetensors_symlink(tmp_path):
@@ -161,7 +163,7 @@ def test_dangling_safetensors_symlink(tmp_path):
   os.symlink(tmp_path / 'blobs' / 'gone', d / 'model.safetensors')
   with pytest.raises(ValueError, match=r'model.safetensors: a symlink to .*gone.*which does not '
                                        r'exist \(a dangling link'):
-    qckpt.load_safetensors(d)
+    qckpt.load_hf(d)
 
 
 def test_dangling_symlink_inside_a_checkpoint(tmp_path):
