@@ -79,13 +79,18 @@ def load_library(library: pathlib.Path, cpu: Optional[frozenset]) -> ctypes.CDLL
   """dlopen a built library after checking its manifest against the CPU flags `cpu`.
 
   Raises:
-    RuntimeError: the manifest is missing, or names CPU flags that `cpu` lacks (running it
-      would die on an illegal instruction).
+    RuntimeError: the manifest is missing, names CPU flags that `cpu` lacks (running it
+      would die on an illegal instruction), or records another sha256 than the file has (a
+      damaged library can crash the process in dlopen).
   """
   manifest = _build.read_manifest(pathlib.Path(library).parent)
   if manifest is None:
     raise RuntimeError(f'{library} has no {_build.MANIFEST}: its instruction set is unknown; '
                        'delete the folder and rebuild (python -m qjax.kernels.build).')
+  damaged = _build.damage(manifest, pathlib.Path(library))
+  if damaged:
+    raise RuntimeError(f'{library} is not the library that was built: {damaged}; delete the '
+                       'folder and rebuild (python -m qjax.kernels.build).')
   missing = _build.missing_flags(manifest, cpu)
   if missing:
     raise RuntimeError(f'{library} was built for {manifest.get("isa")} and needs CPU flags '
@@ -122,6 +127,8 @@ def _load() -> Optional[str]:
           _STATE['library'] = str(library)
         except Exception as e:  # pylint: disable=broad-except
           reason = f'failed to load ({type(e).__name__}: {e})'
+          _LOG.warning('qjax.kernels: the CPU kernel %s; the XLA fallback paths run '
+                       '(qjax.kernels.info()).', reason)
     _STATE['reason'] = reason
     return reason
 

@@ -10,7 +10,10 @@ version, compiler flags, the ISA's CPU flags, the kernel sources): another jax, 
 CPU kind or source edit gets its own library, and a cache shared by several machines (a
 network home) holds one library per CPU kind. Concurrent first uses (pytest-xdist workers,
 several processes) serialise on a file lock; the library and its manifest are written to
-temporary names and renamed, so a reader never sees a torn file.
+temporary names and renamed, so a reader never sees a torn file. The manifest records the
+library's sha256, checked before every load: a library truncated, overwritten or flipped on
+disk is rebuilt (`ensure`) and never loaded (`qjax.kernels.load_library`), since dlopen of a
+damaged library can crash the interpreter (SIGBUS, SIGSEGV) where Python cannot catch it.
 
 ISA: not `-march=native` but an explicit instruction-set level (`ISAS`), the highest this
 CPU has (or `$QJAX_KERNEL_ISA`, a lower one on purpose), so a library runs on every CPU with
@@ -121,6 +124,26 @@ def _locked(path: pathlib.Path):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def file_sha256(path: pathlib.Path) -> str:
+  h = hashlib.sha256()
+  with open(path, 'rb') as f:
+    for block in iter(lambda: f.read(1 << 20), b''):
+      h.update(block)
+  return h.hexdigest()
+
+
+def damage(manifest: dict, library: pathlib.Path) -> Optional[str]:
+  """Why `library` is not the file its manifest records (None when its sha256 matches)."""
+  want = manifest.get('library_sha256')
+  if want is None:
+    return 'its manifest records no library sha256 (an older cache)'
+  got = file_sha256(library)
+  if got != want:
+    return (f'its sha256 {got[:12]}... is not the {want[:12]}... recorded when it was built '
+            f'({library.stat().st_size} bytes: truncated, overwritten or damaged on disk)')
+  return None
+
+
 def read_manifest(folder: pathlib.Path) -> Optional[dict]:
   """A built library's manifest, or None when the folder holds no complete build."""
   try:
@@ -152,7 +175,8 @@ def _compile(cxx: str, facts: dict, folder: pathlib.Path) -> Optional[str]:
     return f'{cxx} failed: ' + next((ln for ln in lines if 'error' in ln), lines[0]).strip()
   tmp.replace(folder / NAME)
   manifest = dict(facts, built=datetime.datetime.now(datetime.timezone.utc).isoformat(
-      timespec='seconds'), command=' '.join(cmd[:-2]))
+      timespec='seconds'), command=' '.join(cmd[:-2]),
+                  library_sha256=file_sha256(folder / NAME))
   tmp_manifest = folder / f'{MANIFEST}.{os.getpid()}.tmp'
   tmp_manifest.write_text(json.dumps(manifest, indent=1))
   tmp_manifest.replace(folder / MANIFEST)  # last: its presence marks a complete build
@@ -207,11 +231,18 @@ def _ensure_locked(cxx, isa, facts, folder, cpu, retry_failed, say):
   manifest = read_manifest(folder)
   if manifest is not None:
     missing = missing_flags(manifest, cpu)
-    if not missing and manifest.get('source_sha256') == facts['source_sha256']:
+    damaged = damage(manifest, folder / NAME)
+    if (not missing and not damaged
+        and manifest.get('source_sha256') == facts['source_sha256']):
       return folder / NAME, 'cached'
-    # A library this key should not hold (a copied or hand-edited cache): never load it.
+    # A library this key should not hold (a copied, hand-edited or damaged cache): never
+    # load it.
     how = (f'rebuilt (the cached library needs {", ".join(missing)}, which this CPU lacks)'
-           if missing else 'rebuilt (the cached library is from other sources)')
+           if missing else f'rebuilt (the cached library: {damaged})' if damaged
+           else 'rebuilt (the cached library is from other sources)')
+    if say is not None and damaged and 'library_sha256' in manifest:
+      say(f'qjax.kernels: the cached CPU kernel {folder / NAME} is damaged ({damaged}); '
+          'rebuilding it')
     (folder / MANIFEST).unlink()
   elif (folder / FAILED).is_file() and not retry_failed:
     return None, (f'{(folder / FAILED).read_text().strip()} (an earlier build, recorded in '

@@ -71,6 +71,7 @@ def test_builds_into_a_temporary_cache_loads_and_refuses_a_foreign_isa(tmp_path)
   assert library == results[1][0] and library.parent.parent == tmp_path
   manifest = json.loads((library.parent / _build.MANIFEST).read_text())
   assert manifest['isa'] == 'avx2' and manifest['cpu_flags'] == ['avx2', 'fma']
+  assert manifest['library_sha256'] == _build.file_sha256(library)
   assert '-march=native' not in manifest['flags'] and '-mavx2' in manifest['flags']
   # loads on this CPU (a superset of AVX2), and says which forms it holds
   lib = kernels.load_library(library, kernels.cpu_flags())
@@ -172,3 +173,50 @@ def test_conversion_records_say_which_cpu_path_runs(monkeypatch):
   rt = records.runtime_info()['cpu_decode']
   assert rt['kernel']['status'] == 'disabled by QJAX_CPU_KERNEL=0'
   assert 'XLA' in rt['decode_forms']['W8A8/W4A8']
+
+
+def _fake_build(folder, facts, payload=b'\x7fELF a library'):
+  """What `_compile` leaves in `folder`, without a compiler: the library and its manifest."""
+  (folder / _build.NAME).write_bytes(payload)
+  (folder / _build.MANIFEST).write_text(json.dumps(dict(
+      facts, library_sha256=_build.file_sha256(folder / _build.NAME))))
+
+
+@pytest.mark.parametrize('damage', ['truncated', 'flipped', 'emptied', 'random'])
+def test_a_damaged_library_is_rebuilt_and_never_loaded(monkeypatch, tmp_path, caplog, damage):
+  # Truncated, it crashed the interpreter in dlopen (SIGBUS); flipped code, SIGSEGV; emptied
+  # or random bytes fell back silently, never rebuilt. The manifest now records its sha256.
+  monkeypatch.setenv('CXX', '/usr/bin/g++')
+  monkeypatch.setattr(_build, '_compiler_version', lambda cxx: 'g++ 12')
+  builds = []
+  monkeypatch.setattr(_build, '_compile', lambda cxx, facts, folder: builds.append(
+      _fake_build(folder, facts, b'\x7fELF build %d' % len(builds))))
+  library, how = _build.ensure(AVX2_CPU, tmp_path)
+  assert how == 'built' and len(builds) == 1
+  manifest = json.loads((library.parent / _build.MANIFEST).read_text())
+  assert manifest['library_sha256'] == _build.file_sha256(library)
+  data = library.read_bytes()
+  library.write_bytes({'truncated': data[:len(data) // 2],
+                       'flipped': bytes(b ^ 0xFF for b in data[:8]) + data[8:],
+                       'emptied': b'', 'random': os.urandom(len(data))}[damage])
+  with pytest.raises(RuntimeError, match=r'is not the library that was built: its sha256 .* '
+                                         'is not the .* recorded when it was built'):
+    kernels.load_library(library, AVX2_CPU)  # refused before dlopen
+  with caplog.at_level(logging.WARNING):
+    again, how = _build.ensure(AVX2_CPU, tmp_path, say=logging.getLogger('t').warning)
+  assert again == library and how.startswith('rebuilt (the cached library: its sha256')
+  assert len(builds) == 2 and 'is damaged' in caplog.text and 'rebuilding it' in caplog.text
+  assert _build.ensure(AVX2_CPU, tmp_path) == (library, 'cached') and len(builds) == 2
+
+
+def test_a_manifest_without_a_library_hash_is_rebuilt(monkeypatch, tmp_path):
+  monkeypatch.setenv('CXX', '/usr/bin/g++')
+  monkeypatch.setattr(_build, '_compiler_version', lambda cxx: 'g++ 12')
+  monkeypatch.setattr(_build, '_compile', lambda cxx, facts, folder: _fake_build(folder, facts))
+  library, _ = _build.ensure(AVX2_CPU, tmp_path)
+  manifest = json.loads((library.parent / _build.MANIFEST).read_text())
+  del manifest['library_sha256']  # what caches written before the hash hold
+  (library.parent / _build.MANIFEST).write_text(json.dumps(manifest))
+  with pytest.raises(RuntimeError, match='records no library sha256'):
+    kernels.load_library(library, AVX2_CPU)
+  assert 'records no library sha256' in _build.ensure(AVX2_CPU, tmp_path)[1]
