@@ -46,6 +46,8 @@ class Report:
     hlo_bytes: `_hlo.bytes_moved` (the same rule on every target).
     custom_calls: {custom-call target: count} in the compiled module.
     kernels: kernel families present ('mosaic', 'triton', 'cudnn', 'cublas', ...).
+    kernel_names: {name: count} of the Pallas / Mosaic / Triton kernels called
+      ('splash_mqa_fwd_no_residuals', 'qjax_paged_attention_mosaic', ...).
     collectives: {kind: count} of collective ops in the module.
     compile_s: seconds the lowering and compilation took here.
     roofline_s: max(bytes over HBM bandwidth, flops over peak): the compiler's bytes and
@@ -73,6 +75,7 @@ class Report:
   hlo_bytes: Optional[int] = None
   custom_calls: dict = dataclasses.field(default_factory=dict)
   kernels: list = dataclasses.field(default_factory=list)
+  kernel_names: dict = dataclasses.field(default_factory=dict)
   collectives: dict = dataclasses.field(default_factory=dict)
   compile_s: Optional[float] = None
   roofline_s: Optional[float] = None
@@ -219,6 +222,7 @@ def _fill(report: Report, compiled, spec, compute_bits: float) -> None:
   text = compiled.as_text()
   report.custom_calls = _hlo.custom_calls(text)
   report.kernels = _hlo.kernel_families(report.custom_calls)
+  report.kernel_names = _hlo.kernel_names(text)
   report.collectives = _hlo.collective_counts(text)
   report.hlo_bytes = _hlo.bytes_moved(text)
   cost = _cost(compiled)

@@ -1,12 +1,13 @@
 """What a compiled (optimized, scheduled) HLO module says about a program: its custom calls
-(the kernels present) and the bytes its top-level ops move.
+(the kernels present, and the Pallas kernels by name) and the bytes its top-level ops move.
 
 XLA's own cost analysis gives 'bytes accessed' for TPU programs; for a compile-only GPU it
 gives none, so `bytes_moved` counts them from the module text: every op that touches memory
 (a fusion, custom call, copy, collective; not parameters, tuples, bitcasts) reads its operands
 and writes its result, a `while` body counts once per known trip, and a fusion that updates a
 buffer in place (`dynamic-update-slice` at its root) or only slices an operand counts the
-update and the slice, not the whole buffer. It is an upper bound of HBM traffic (a fusion
+update and the slice, not the whole buffer; a `call` counts its computation once and a
+`conditional` its costliest branch. It is an upper bound of HBM traffic (a fusion
 that reads part of an operand counts all of it) and the same rule for every format, so ratios
 between formats compare like with like.
 """
@@ -30,6 +31,9 @@ _HEADER = re.compile(r'^(ENTRY\s+)?%(\S+)\s*\(.*\)\s*->.*\{\s*$')
 _OPERAND = re.compile(r'%([\w.\-]+)')
 _CALLS = re.compile(r'calls=%([\w.\-]+)')
 _BODY = re.compile(r'body=%([\w.\-]+)')
+_TO_APPLY = re.compile(r'to_apply=%([\w.\-]+)')
+_BRANCHES = re.compile(r'(?:true_computation|false_computation)=%([\w.\-]+)')
+_BRANCH_LIST = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _FUSION_KIND = re.compile(r'"kind":"(__[a-z_]+)"')
@@ -99,6 +103,32 @@ def custom_calls(text: str) -> dict:
   return dict(out)
 
 
+_KERNEL_CALL = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+?)(?:\.\d+)*\s*=.*custom_call_target="'
+                          r'(tpu_custom_call|__gpu\$xla\.gpu\.triton|mosaic_gpu[^"]*)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_GENERIC = {'pallas_call', 'custom-call', 'custom_call'}
+
+
+def kernel_names(text: str) -> dict:
+  """{kernel name: count} of the module's Pallas / Mosaic / Triton kernel calls: the name a
+  kernel was given (`pallas_call(name=...)`), as the compiler keeps it in the call's
+  instruction name or, where that is generic, in the op name's scope (`.../name/pallas_call`;
+  a jitted wrapper's scope `jit(f)` gives `f`)."""
+  out = collections.Counter()
+  for line in text.splitlines():
+    m = _KERNEL_CALL.match(line)
+    if not m:
+      continue
+    name = m.group(1)
+    if name in _GENERIC:
+      op = _OP_NAME.search(line)
+      scopes = [s for s in (op.group(1).split('/') if op else []) if s not in _GENERIC]
+      name = scopes[-1] if scopes else name
+      name = re.sub(r'^(?:jit|pjit)\((.*)\)$', r'\1', name)
+    out[name] += 1
+  return dict(out)
+
+
 def kernel_families(calls: dict) -> list:
   """The kernel families (`KERNEL_FAMILIES`) present among `custom_calls`' targets."""
   found = []
@@ -161,6 +191,14 @@ def _computation_bytes(name: str, comps: dict, depth: int = 0) -> int:
   types = {ins.name: ins.type for ins in comp}
   total = 0
   for ins in comp:
+    if ins.op in ('call', 'conditional') and depth < 8:
+      if ins.op == 'call':
+        called = _TO_APPLY.findall(ins.rest)
+      else:
+        listed = _BRANCH_LIST.search(ins.rest)
+        called = (_OPERAND.findall(listed.group(1)) if listed else _BRANCHES.findall(ins.rest))
+      total += max([_computation_bytes(c, comps, depth + 1) for c in called], default=0)
+      continue
     if ins.op == 'while' and depth < 8:
       body = _BODY.search(ins.rest)
       trips = _TRIPS.search(ins.rest)
