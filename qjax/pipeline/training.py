@@ -27,6 +27,7 @@ from qjax.nn import Transformer, TransformerConfig, param_count
 from qjax.train import data as qdata
 from qjax.pipeline import manifest as manifest_lib
 from qjax.train.optim import make_optimizer
+from qjax.train.workdir import workdir_lock
 
 
 def model_config(config, vocab_size: int) -> TransformerConfig:
@@ -76,21 +77,22 @@ def check_train_config(config) -> None:
 
 def _trim_metrics(path: str, start: int) -> None:
   """Keep the training lines of steps <= `start` (a resume replays the rest; a finished run
-  re-evaluates), so a rerun never duplicates a line; a torn last line goes too."""
+  re-evaluates), one per step (a line is keyed by its step: the last written wins), so a
+  rerun never duplicates a line; a torn last line goes too."""
   if not os.path.isfile(path):
     return
-  kept = []
+  kept = {}
   with open(path) as f:
     for line in f:
       try:
         row = json.loads(line)
       except json.JSONDecodeError:
         continue
-      if 'loss' in row and row.get('step', start + 1) <= start:
-        kept.append(json.dumps(row) + '\n')
+      if isinstance(row, dict) and 'loss' in row and row.get('step', start + 1) <= start:
+        kept[row['step']] = json.dumps(row) + '\n'
   tmp = path + '.tmp'
   with open(tmp, 'w') as f:
-    f.writelines(kept)
+    f.writelines(kept[step] for step in sorted(kept))
   os.replace(tmp, path)
 
 
@@ -131,12 +133,22 @@ def train(config, workdir: str) -> dict:
 
   Args:
     config: a `configs/tiny_lm.py`-style ConfigDict (data, model, train, checkpoint, seed).
-    workdir: where checkpoints and metrics go; an existing run there is resumed.
+    workdir: where checkpoints and metrics go; an existing run there is resumed. A run
+      holds its lock (`qjax.train.workdir`) until it returns: a second run on the same
+      workdir is refused, naming the first.
 
   Returns:
     The final metrics (also written to workdir/final.json).
   """
   check_train_config(config)
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f'workdir {workdir!r} is a file; pass a directory.')
+  with workdir_lock(workdir):
+    return _train(config, workdir)
+
+
+def _train(config, workdir: str) -> dict:
+  """`train` once the workdir's lock is held."""
   # ---------------------------------------------------------------- data
   data = qdata.load_data(config.data.source, config.data.seq_len, config.data.valid_fraction)
   valid = qdata.eval_windows(data.valid, config.data.seq_len, config.train.eval_windows)
@@ -148,9 +160,6 @@ def train(config, workdir: str) -> dict:
   logging.info('model: %s parameters, %s', f'{param_count(model):,}', mcfg)
 
   # ---------------------------------------------------------------- checkpoints (resume)
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise ValueError(f'workdir {workdir!r} is a file; pass a directory.')
-  os.makedirs(workdir, exist_ok=True)
   mngr = ocp.CheckpointManager(
       os.path.join(os.path.abspath(workdir), 'checkpoints'),
       options=ocp.CheckpointManagerOptions(save_interval_steps=config.checkpoint.every,

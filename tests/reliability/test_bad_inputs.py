@@ -1,4 +1,4 @@
-"""Issue 12, section 4: each bad input gets an error that names the value and the fix."""
+"""Each bad input gets an error that names the value and the fix."""
 
 import os
 import pathlib

@@ -1,4 +1,4 @@
-"""Issue 12, section 2: scales checked, NaN propagated under jit, ids and weights checked."""
+"""Scales checked, NaN propagated under jit, ids and weights checked."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Issue 12, section 1: a conversion record that is hashed, schema-checked and reproducible."""
+"""A conversion record that is hashed, schema-checked and reproducible."""
 
 import json
 import os

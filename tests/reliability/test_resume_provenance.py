@@ -1,4 +1,4 @@
-"""Issue 12, sections 1 and 3: training manifests, provenance on resume, reruns, base hashes."""
+"""Training manifests, provenance on resume, reruns, base hashes."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Issue 12, section 3: sweep rows keyed by what produced them; torn tails; all-failed sweeps."""
+"""Sweep rows keyed by what produced them; torn tails; all-failed sweeps."""
 
 import json
 
