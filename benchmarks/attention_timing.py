@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.budget import Budget
+from benchmarks.device_env import chip_for, environment
 from qjax.infer import init_paged_cache, with_step
 from qjax.infer.paged_kernel import attention_form
 from qjax.nn import TransformerConfig, attend_blockwise
@@ -234,7 +235,6 @@ def main(argv=None) -> dict:
   for m in models:
     layer_config(m, a.smoke)  # unknown names fail before anything runs
   contexts = tuple(int(c) for c in a.contexts.split(',')) if a.contexts else None
-  from benchmarks.device_check import chip_for, environment  # pylint: disable=g-import-not-at-top
   chip = chip_for(jax.devices()[0])
   result = measure(smoke=a.smoke, models=models, contexts=contexts, batch=a.batch,
                    kvs=tuple(k.strip() for k in a.kv.split(',')), budget_s=a.budget_s,

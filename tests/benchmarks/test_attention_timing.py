@@ -1,11 +1,15 @@
 """benchmarks/attention_timing.py in smoke mode: every cell runs on CPU, the kernel agrees
 with the scan in interpret mode, and what it writes holds the forms and real numbers."""
 
+import ast
 import json
+import pathlib
 
 import pytest
 
 from benchmarks import attention_timing
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_smoke_run_writes_json_and_markdown(tmp_path):
@@ -32,3 +36,15 @@ def test_smoke_run_writes_json_and_markdown(tmp_path):
 def test_unknown_model_fails_before_anything_runs(tmp_path):
   with pytest.raises(ValueError, match="model 'llama3' is unknown"):
     attention_timing.main(['--smoke', '--models=llama3', f'--out={tmp_path}'])
+
+
+
+def test_it_stands_below_the_device_check():
+  """The device check runs this as its attention section, so no import here, at any level,
+  reaches the check: the environment and chip come from `benchmarks.device_env`."""
+  tree = ast.parse((ROOT / 'benchmarks' / 'attention_timing.py').read_text())
+  imported = {f'{n.module}.{a.name}' for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+              for a in n.names}
+  imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+  assert 'benchmarks.device_env.chip_for' in imported
+  assert not any(m and m.startswith('benchmarks.device_check') for m in imported), imported
