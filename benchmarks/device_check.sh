@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# The device check on a machine with an accelerator: `python -m benchmarks.device_check` (its
-# docstring says what it measures) with its results under $OUT (default results/device_check):
-# device_check.json, device_check.md, device_check.png, in under 6 minutes: --budget_s
-# (340 s) bounds the whole check, rows and attention section together (a row starts only if
-# one as long as the longest so far still fits). Extra arguments go to the Python entry point.
+# The device check from a shell: `python -m benchmarks.device_check` (its docstring says what
+# it measures) with its results under $OUT (default results/device_check): device_check.json,
+# device_check.md, device_check.png. --budget_s (340 s) bounds the whole check: rows, the
+# serving engine's rows and the attention section together (a row starts only if one as long
+# as the longest so far still fits). jax's persistent compilation cache lives in $CACHE_DIR
+# (default results/compile_cache), outside $OUT, so $OUT holds only results and a second run
+# on the same machine loads every executable the first one compiled. Extra arguments go to
+# the Python entry point.
 #
-# A machine without package registries (a lent accelerator) may lack ml-collections (qjax's
-# configs import it); carry it as a wheel in .whl/, made once on a machine with pip:
+# A machine without a package index may lack ml-collections (qjax's configs import it); bring
+# it as a wheel in .whl/, made once on a machine with pip:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux2014_x86_64 -d .whl ml-collections==1.1.0
 set -uo pipefail
 OUT=${OUT:-results/device_check}
+CACHE_DIR=${CACHE_DIR-results/compile_cache}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -22,4 +26,4 @@ else
   export PYTHONPATH=$PWD
 fi
 nvidia-smi 2>/dev/null | head -15
-$PY -m benchmarks.device_check --out="$OUT" "$@"
+$PY -m benchmarks.device_check --out="$OUT" --cache_dir="$CACHE_DIR" "$@"
