@@ -17,7 +17,7 @@ reduce-scatter of activations, all-to-all for batch-sharded multiquery attention
 Layout names and the analytic costs are those of `qjax.costmodel`.
 """
 
-from qjax.sharding._hlo import Collective, collectives, count_collectives
+from qjax.sharding._hlo import Collective, collectives, count_collectives, sent_bytes
 from qjax.sharding._hooks import LayoutHooks, use_layout
 from qjax.sharding._inference import (PHASES, ShardedTransformer, default_platform_devices,
                                       make_mesh)
@@ -31,5 +31,6 @@ __all__ = [
     'ShardedTransformer', 'all_layouts', 'bytes_per_device', 'cache_shardings', 'collectives',
     'count_collectives', 'default_platform_devices', 'layout_rules', 'leaf_mesh_axes',
     'make_mesh', 'qarray_logical',
-    'same_stored_weights', 'shard_bytes', 'state_shardings', 'to_spec', 'use_layout',
+    'same_stored_weights', 'sent_bytes', 'shard_bytes', 'state_shardings', 'to_spec',
+    'use_layout',
 ]
