@@ -111,7 +111,7 @@ class LayoutHooks(shard_hooks.ShardHooks):
         x = _gather(x, x_gather)
       y = compute(x, _rebuild(w, w_leaves, used[0], self.mesh))
       for dim, mesh_axes in scatters.items():
-        y = jax.lax.psum_scatter(y, mesh_axes, scatter_dimension=dim, tiled=True)
+        y = _scatter(y, mesh_axes, dim, self.mesh, split=out[dim] != 'V')
       return jax.lax.psum(y, reduce) if reduce else y
 
     fn = jax.shard_map(local, mesh=self.mesh,
@@ -165,6 +165,22 @@ class LayoutHooks(shard_hooks.ShardHooks):
     fn = jax.shard_map(local, mesh=self.mesh, in_specs=tuple(specs) + (cache_specs,),
                        out_specs=(q_spec, cache_specs), check_vma=False)
     return fn(*args, cache)
+
+
+def _scatter(y, mesh_axes: tuple, dim: int, mesh, split: bool = True):
+  """`psum_scatter` of `y` along `dim`, split into (shards, rest) first so that the shard
+  index is a dimension of its own: the TPU compiler lowers a reduce-scatter to an all-reduce
+  and a slice, and fuses them back into one reduce-scatter only where the slice is along a
+  major dimension; along the minor one (the features) it would all-reduce, twice the bytes.
+  Logits are not split (`split=False`): the compiler would move the split onto the
+  output-embedding table and copy the whole table at every step."""
+  if not split:
+    return jax.lax.psum_scatter(y, mesh_axes, scatter_dimension=dim, tiled=True)
+  k = math.prod(mesh.shape[a] for a in mesh_axes)
+  shape = y.shape
+  grouped = shape[:dim] + (k, shape[dim] // k) + shape[dim + 1:]
+  y = jax.lax.psum_scatter(y.reshape(grouped), mesh_axes, scatter_dimension=dim, tiled=True)
+  return y.reshape(shape[:dim] + (shape[dim] // k,) + shape[dim + 1:])
 
 
 def _exact_on_shards(layer, w, split_contraction: bool) -> bool:
