@@ -42,6 +42,8 @@ Overflow. Writing past `max_len` would clamp onto the last slots and run on with
 numbers, so `check_fits` raises: the model's forward calls it when the lengths are concrete,
 and the jitted step functions (`qjax.nn.generate.greedy_step` / `decode_step` /
 `logits_step`, the engine) call it on the host at the step boundary, before they dispatch.
+Under a caller's own jit nothing can raise: the forward makes an overflowing row's logits
+NaN (`poison_overflow`), as it does for an out-of-vocabulary id.
 
 Quantized storage: `init_cache(..., fmt='int8')` (or 'int4', 'fp8', 'fp8_e5m2', or a
 `QFormat` with a scale per token and kv head) stores every layer's keys and values as a
@@ -221,6 +223,12 @@ def check_fits(cache: KVCache, num_new: int) -> None:
   if not getattr(cache.length, 'is_fully_addressable', True):
     return
   _raise_if_overflow(cache.length, num_new, cache.max_len)
+
+
+def poison_overflow(cache: KVCache, num_new: int, x_BTD: jax.Array) -> jax.Array:
+  """In-jit: `x_BTD` with NaN in the rows whose `num_new` new positions pass `max_len`."""
+  over_B = cache.length + num_new > cache.max_len
+  return jnp.where(over_B[:, None, None], jnp.asarray(jnp.nan, x_BTD.dtype), x_BTD)
 
 
 def check_format(fmt: Union[None, str, QFormat], head_dim: Optional[int] = None,

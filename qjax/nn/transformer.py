@@ -198,7 +198,13 @@ class Transformer(nnx.Module):
       kvcache.check_fits(cache, t)
       positions_BT = kvcache.next_positions(cache, t)
 
-    x_BTD, cache = self.blocks(self.embed_tokens(tokens_BT), positions_BT, cache)
+    x_BTD = self.embed_tokens(tokens_BT)
+    if cache is not None and isinstance(cache.length, jax.core.Tracer):
+      # Under the caller's jit `check_fits` cannot raise, and a write past max_len would
+      # clamp onto the last slots and run on with finite, wrong logits: such a row is NaN
+      # instead, as an out-of-vocabulary id is.
+      x_BTD = kvcache.poison_overflow(cache, t, x_BTD)
+    x_BTD, cache = self.blocks(x_BTD, positions_BT, cache)
     logits_BTV = self.logits(x_BTD)
     if cache is None:
       return logits_BTV

@@ -100,6 +100,21 @@ def test_a_jitted_forward_gives_nan_and_checked_forward_raises(model, nan_model)
     validate.checked_forward(nan_model, good)
 
 
+def test_a_cache_overflow_under_a_callers_jit_gives_nan(model):
+  # Two calls of 4 tokens on a 6-slot cache: the second used to clamp its writes onto the
+  # last slots and return finite, wrong logits. Row 1 starts again at 0: it fits.
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  step = nnx.jit(lambda m, t, c: m(t, cache=c))
+  tokens = jnp.asarray([[1, 2, 3, 4], [5, 6, 7, 8]], jnp.int32)
+  logits, cache = step(model, tokens, init_cache(CFG, 2, 6))
+  assert np.isfinite(np.asarray(logits)).all()
+  cache = dataclasses.replace(cache, length=jnp.asarray([4, 0], jnp.int32))
+  logits, _ = step(model, tokens, cache)
+  assert np.isnan(np.asarray(logits[0])).all()
+  np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(model(tokens[1:]))[0],
+                             rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize('run', [
     lambda m, p: greedy_generate(m, p, 3),
     lambda m, p: sample_generate(m, p, SamplingParams(temperature=1.0, seed=0), 3),
