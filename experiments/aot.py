@@ -27,6 +27,9 @@ import subprocess
 import sys
 import time
 
+# The compile-only toolchain must not meet a TPU or GPU backend of this process (qjax.aot).
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
 from absl import app
 import jax
 from ml_collections import config_flags
