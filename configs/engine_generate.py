@@ -9,10 +9,15 @@ Command:
   XLA_FLAGS= .venv/bin/python -m experiments.generate --config=configs/engine_generate.py \
       --prompt='To be, or not to be, that is the'
   (without --prompt: reads prompts from stdin, one per line, until EOF; an empty line ends)
-  --config.weights=float|int8|int4_g128  --config.kv_format=|int8|int4  --config.temperature=0
-  A checkpoint written by experiments.convert (its quantized weights and tokenizer; `model`
-  and `weights` are then ignored), with its chat template applied to each prompt:
+  --config.weights=float|int8|int4_g128  --config.kv_format=float|int8|int4
+  --config.temperature=0 (greedy)
+  A checkpoint written by experiments.convert (its weights and tokenizer; `model` and
+  `weights` are then ignored), with its chat template applied to each prompt:
   python -m experiments.generate --config.checkpoint=OUT --config.chat=True --prompt='Hi'
+  A checkpoint generates in its own precision unless asked otherwise: the KV cache format it
+  was converted with (float when none) and greedy decoding; `model` generates with an int8
+  KV cache at temperature 0.7. The first line on stderr says what runs.
+  From another directory: python /path/to/qjax/experiments/generate.py ...
 Expected run time: ~20 s to load Gemma, ~1 min to quantize and compile the step buckets,
   then ~5-30 tokens/s on 2 CPU cores.
 Expected result: with temperature 0 and float weights, "To be, or not to be, that is the"
@@ -21,6 +26,7 @@ Expected result: with temperature 0 and float weights, "To be, or not to be, tha
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -29,8 +35,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint = ''                # an experiments.convert output: serve it instead of `model`
   c.chat = False                   # wrap each prompt in the checkpoint's chat template
   c.weights = 'int4_g128'          # 'float', 'int8', 'int4_g128'
-  c.kv_format = 'int8'             # '' for a float cache, or a KV format name
-  c.temperature = 0.7
+  # 'float' or a KV format name; unset: a checkpoint's own (float when it has none), int8
+  # for `model`.
+  c.kv_format = config_dict.placeholder(str)
+  # Unset: 0 (greedy) for a checkpoint, 0.7 for `model`.
+  c.temperature = config_dict.placeholder(float)
   c.top_p = 0.95
   c.top_k = 0
   c.repetition_penalty = 1.0

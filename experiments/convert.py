@@ -8,13 +8,15 @@ See the config's docstring for what is written and how calibration and evaluatio
 """
 
 import json
+import os
 
 from absl import app
-from ml_collections import config_flags
 
-from qjax.pipeline import convert
+from qjax.pipeline import cli, convert
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/convert.py', lock_config=True)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CONFIG = cli.define_config(os.path.join(ROOT, 'configs', 'convert.py'), ROOT,
+                            lock_config=True, prog='experiments.convert')
 
 
 def main(argv):
@@ -25,10 +27,8 @@ def main(argv):
   row = convert.convert(c, log=lambda s: print(s, flush=True))
   print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}, indent=1,
                    default=str))
-  print(f"\n{row['name']}: perplexity {row['float_ppl']:.3f} (float) -> {row['ppl']:.3f}; "
-        f"weights {row['weight_bytes']:,} B ({row['bytes_ratio']:.3f}x float); greedy "
-        f"agreement {row.get('greedy_agreement', float('nan')):.3f}\nwritten: {c.out} "
-        f'(serve it: python -m experiments.serve --config.checkpoint={c.out})')
+  print(f'\n{convert.headline(row)}\nwritten: {c.out} (serve it: python -m '
+        f'experiments.serve --config.checkpoint={c.out})')
 
 
 if __name__ == '__main__':

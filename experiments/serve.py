@@ -26,21 +26,25 @@ import time
 
 from absl import app
 from flax import nnx
-from ml_collections import config_flags
 import numpy as np
 
-from configs import serve_gemma3
 from qjax import infer
 from qjax.eval import markdown_table
-from qjax.pipeline import serving
+from qjax.pipeline import cli, serving
 from qjax.pipeline import trace as trace_lib
 from qjax.pipeline import workload
 from qjax.nn import Transformer, TransformerConfig
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/engine_tiny.py', lock_config=False)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CONFIG = cli.define_config(os.path.join(ROOT, 'configs', 'engine_tiny.py'), ROOT,
+                            lock_config=False, prog='experiments.serve')
 
 
 def _workload_table(c):
+  n = c.workload.num_requests
+  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    raise ValueError(f'--config.workload.num_requests={n!r}: the workload needs at least one '
+                     'request; pass a positive integer.')
   cfg = TransformerConfig(**c.model)
   model = Transformer(cfg, rngs=nnx.Rngs(c.seed))
   prompts, params = workload.synthetic_workload(vocab_size=cfg.vocab_size, **c.workload)
@@ -69,10 +73,27 @@ def _checkpoint_serve(c):
   model, tok, record = load_converted(c.checkpoint)
   print(f"loaded {c.checkpoint}: {record['method']}, {record['base_checkpoint']['source']}",
         flush=True)
+  if isinstance(c.prompts, str) or not c.prompts or not all(
+      isinstance(p, str) and p.strip() for p in c.prompts):
+    raise ValueError(f'--config.prompts={c.prompts!r}: give one or more non-empty texts, '
+                     "e.g. --config.prompts='Hello world' or "
+                     '--config.prompts="(\'Hello\', \'Bonjour\')".')
   prompts = [tok.chat(p) if c.chat else tok.encode(p) for p in c.prompts]
   params = infer.SamplingParams(temperature=0.0, max_tokens=c.max_tokens,
                                 stop_tokens=tuple(tok.stop_ids))
-  ecfg = infer.EngineConfig(**dict(c.engine, max_len=min(c.max_len, model.config.max_len)))
+  max_len = min(c.max_len, model.config.max_len)
+  for i, ids in enumerate(prompts):
+    if len(ids) + c.max_tokens > max_len:
+      raise ValueError(f'prompt {i} has {len(ids)} tokens + --config.max_tokens='
+                       f'{c.max_tokens} > --config.max_len={c.max_len}'
+                       + (f' (the model holds {model.config.max_len})'
+                          if model.config.max_len < c.max_len else '')
+                       + f'; pass --config.max_len={len(ids) + c.max_tokens} or more'
+                       + (f' (at most {model.config.max_len})'
+                          if len(ids) + c.max_tokens <= model.config.max_len else
+                          ', which this model cannot hold: shorten the prompt')
+                       + ', or lower --config.max_tokens.')
+  ecfg = infer.EngineConfig(**dict(c.engine, max_len=max_len))
   engine = infer.Engine(model, ecfg, tokenizer=tok)
   t0 = time.perf_counter()
   outputs = engine.generate(prompts, params)
@@ -91,6 +112,7 @@ def _gemma_trace(c):
   """Gemma 3 270M, a maker of the config's traces (windows of Tiny Shakespeare), pad id."""
   from qjax.checkpoints.gemma3 import load_gemma3_270m  # pylint: disable=g-import-not-at-top
   from qjax.data import corpus  # pylint: disable=g-import-not-at-top
+  from configs import serve_gemma3  # pylint: disable=g-import-not-at-top  (ROOT on sys.path)
   model, tok, info = load_gemma3_270m(param_dtype=c.param_dtype)
   print(f"loaded Gemma 3 270M in {info['seconds']:.1f} s", flush=True)
   bos = tok.token_to_id('<bos>')
@@ -146,6 +168,7 @@ def _hf_generate_row(trace, max_batch: int, pad_id: int) -> dict:
 
 
 def _trace_comparison(c):
+  from configs import serve_gemma3  # pylint: disable=g-import-not-at-top  (ROOT on sys.path)
   if c.small:
     c = serve_gemma3.small(c)
   if c.get('quick'):

@@ -9,12 +9,16 @@ Writes to workdir: checkpoints/ (Orbax), metrics.jsonl, config.json, final.json
 (`qjax.pipeline.train`).
 """
 
+import os
+
 from absl import app
-from ml_collections import config_flags
 
 from qjax import pipeline
+from qjax.pipeline import cli
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny_lm.py', lock_config=True)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CONFIG = cli.define_config(os.path.join(ROOT, 'configs', 'tiny_lm.py'), ROOT,
+                            lock_config=True, prog='experiments.train')
 
 
 def main(argv):

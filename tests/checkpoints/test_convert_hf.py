@@ -138,3 +138,64 @@ def test_a_gemma_gguf_source_brings_its_tokenizer_bos_and_eos(tmp_path, monkeypa
   assert tok.stop_ids == (1,) and tok.encode('ab')[0] == 2 == convert.bos_id(tok)
   assert tok.chat_template is None  # the tiny GGUF has none
   assert model.config.sliding_window == cfg.sliding_window
+
+
+def test_the_headline_gives_each_figure_with_its_sample(converted):
+  _, _, row = converted
+  line = convert.headline(row)
+  assert row['greedy_positions'] == (4, 8) and row['kl_positions'] == (2, 32)
+  assert f"KL {row['kl']:.4f} nats/token over 2 windows x 32 positions" in line
+  assert 'over 4 prompts x 8 tokens' in line and line.startswith('rtn-int4-g16: perplexity')
+
+
+def test_float_conversion_keeps_the_model_and_says_so(converted, tmp_path):
+  source, _, _ = converted
+  c = tiny_config(source, tmp_path / 'float')
+  c.quant.method = 'float'
+  row = convert.convert(c, log=lambda s: None)
+  assert row['name'] == 'float' and row['kl'] == 0 and row['greedy_agreement'] == 1
+  assert row['weight_bytes'] == row['float_weight_bytes'] and row['reload_bit_identical']
+  model, _, record = convert.load_converted(str(tmp_path / 'float'))
+  assert record['method'] == 'float'
+  assert set(record['weight_formats'].values()) == {'float'}
+  want = model_params(Transformer(hf_config(HF_CFG), rngs=nnx.Rngs(0)))
+  got = model_params(model)
+  for key, value in want.items():
+    np.testing.assert_array_equal(np.asarray(got[key]), value)
+
+
+def test_an_output_directory_must_be_new_or_empty(converted, tmp_path):
+  # Converting a second model into a full OUT used to keep the first one's
+  # tokenizer_config.json / generation_config.json, hash them into the second's record and
+  # serve its chat template and stop ids.
+  source, out, _ = converted
+  with pytest.raises(ValueError, match=r"--config.out='.*out' already holds \[.*"
+                                       r"'conversion_record.json'.*new or empty directory"):
+    convert.convert(tiny_config(source, out), log=lambda s: None)
+  (tmp_path / 'a-file').write_text('')
+  with pytest.raises(ValueError, match=r"--config.out='.*a-file' is an existing file; pass a "
+                                       'new directory'):
+    convert.convert(tiny_config(source, tmp_path / 'a-file'), log=lambda s: None)
+  for inside in (source, source / 'sub'):
+    with pytest.raises(ValueError, match=r'--config.out=.* is or overlaps --config.source'):
+      convert.convert(tiny_config(source, inside), log=lambda s: None)
+  assert not (source / 'sub').exists()
+  (tmp_path / 'empty').mkdir()
+  convert.check_out(str(source), str(tmp_path / 'empty'))  # an empty directory is fine
+
+
+def test_a_source_without_tokenizer_json_is_named(converted, tmp_path):
+  source, _, _ = converted
+  half = tmp_path / 'half'
+  half.mkdir()
+  for name in ('config.json', 'model.safetensors', 'tokenizer_config.json'):
+    (half / name).write_bytes((source / name).read_bytes())
+  with pytest.raises(ValueError, match=rf"--config.source='{half}' has no tokenizer.json"):
+    convert.convert(tiny_config(half, tmp_path / 'o'), log=lambda s: None)
+
+
+def test_gemma3_270m_names_the_packaged_gguf(monkeypatch):
+  from qjax.checkpoints import gemma3  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(gemma3, 'gemma3_270m_path', lambda: '/cache/gemma3-270m.gguf')
+  assert convert.resolve_source('gemma3-270m') == '/cache/gemma3-270m.gguf'
+  assert convert.resolve_source('/some/dir') == '/some/dir'
