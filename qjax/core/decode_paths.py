@@ -157,6 +157,40 @@ class DecodeWeights:
     return self._widened
 
 
+def kernel_refusal(xs: str, ws: str, out: str, x_shape, w: QArray,
+                   max_rows: int = MAX_KERNEL_ROWS, act: Optional[str] = None,
+                   explicit: bool = False) -> Optional[str]:
+  """None where the CPU kernel's forms take this call (shapes and code type only; whether
+  the kernel is loaded and the target a CPU is the chooser's question), else why not."""
+  kind = _kernel_kind(w)
+  if kind is None:
+    return (f'{w.layout_name}: the kernel takes symmetric int8 and packed int4 codes')
+  if head_axes(xs, ws, out):
+    v, d = w.shape
+    if kind == 'int4' and d % 2:
+      return 'an odd contraction in the head layout: the kernel reads whole bytes'
+    if act is not None and (d // w.scale.shape[1]) % (128 if kind == 'int4' else 64):
+      return (f'int8 activations on a head need groups of {128 if kind == "int4" else 64} '
+              'values')
+    rows = math.prod(d_ for c, d_ in zip(xs, x_shape) if c != ws[1])
+    if rows > max_rows:
+      return f'{rows} rows > {max_rows} (decode shapes only)'
+    if kind == 'int8' and act is None and rows == 1 and not explicit:
+      # One row of an int8 head: the V blocks (`vblocked_einsum`) measured 7.6 ms against the
+      # float kernel's 29.8 (Gemma head, benchmarks/qdot_bench.py): widening int8 codes to
+      # f32 is the kernel's bottleneck there.
+      return 'one row of an int8 head runs faster in V blocks (docs/cpu_kernel.md)'
+    return None
+  plan = tiled.plan_tiles(xs, ws, out, x_shape, w, None)
+  if plan is None:
+    return f'spec {xs},{ws}->{out} is neither (contracted..., kept...) nor the head layout'
+  if plan.m > max_rows:
+    return f'{plan.m} rows > {max_rows} (decode shapes only)'
+  if act is not None and (plan.k // plan.kq) % 4:
+    return 'int8 activations need groups of a multiple of 4 rows'
+  return None
+
+
 def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype,
                   max_rows: int = MAX_KERNEL_ROWS, act: Optional[str] = None,
                   explicit: bool = False) -> Optional[jax.Array]:
@@ -177,17 +211,14 @@ def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype
       path measured faster (a one-row weight-only int8 head).
 
   Returns:
-    The einsum result, or None (kernel unavailable, zero points, a code type other than
-    int8 / packed int4, more rows than `max_rows`, or a spec neither layout expresses).
+    The einsum result, or None (kernel unavailable, or `kernel_refusal` names why not).
   """
+  if not cpu_kernel() or kernel_refusal(xs, ws, out, x.shape, w, max_rows, act, explicit):
+    return None
   kind = _kernel_kind(w)
-  if kind is None or not cpu_kernel():
-    return None
   if head_axes(xs, ws, out):
-    return _kernel_head(xs, ws, out, x, w, kind, out_dtype, max_rows, act, explicit)
+    return _kernel_head(xs, ws, out, x, w, kind, out_dtype, act)
   plan = tiled.plan_tiles(xs, ws, out, x.shape, w, None)
-  if plan is None or plan.m > max_rows:
-    return None
   a, k, kept_shape = plan.a, plan.k, plan.kept_shape
   x2, x_only, m_shape = _rows(xs, x, ws[:a])
   s = tiled.per_k(w.scale, w, plan)                      # (G, kept scale dims...)
@@ -200,35 +231,43 @@ def kernel_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype
   else:
     padded = last
   s = s.reshape(s.shape[0], -1)
-  if act is not None and (k // s.shape[0]) % 4:
-    return None
   y2 = kernels.gemv(x2, w.data.reshape(k, -1), s, 'kn', kind, act=act)
   if padded != last:
     y2 = y2.reshape(y2.shape[0], -1, padded)[..., :last]
   return _finish(y2, x_only, m_shape, ws[a:], kept_shape, out, out_dtype)
 
 
-def _kernel_head(xs, ws, out, x, w: QArray, kind, out_dtype, max_rows, act, explicit):
-  """The head layout (V, D) on the kernel's 'nk' form."""
-  v, d = w.shape
-  if kind == 'int4' and d % 2:
-    return None  # a padded packed contraction axis: the kernel reads whole bytes
-  if act is not None and (d // w.scale.shape[1]) % (128 if kind == 'int4' else 64):
-    return None
+def _kernel_head(xs, ws, out, x, w: QArray, kind, out_dtype, act):
+  """The head layout (V, D) on the kernel's 'nk' form (`kernel_refusal` said it fits)."""
+  v, _ = w.shape
   x2, x_only, m_shape = _rows(xs, x, ws[1])
-  if x2.shape[0] > max_rows:
-    return None
-  if kind == 'int8' and act is None and x2.shape[0] == 1 and not explicit:
-    # One row of an int8 head: the V blocks (`vblocked_einsum`) measured 7.6 ms against the
-    # float kernel's 29.8 (Gemma head, benchmarks/qdot_bench.py): widening int8 codes to f32
-    # is the kernel's bottleneck there.
-    return None
-  sv, g = w.scale.shape
+  sv, _ = w.scale.shape
   s = w.scale.astype(jnp.float32)
   if sv != v:  # one scale for several rows: the kernel takes one scale row per weight row
     s = jnp.repeat(s, v // sv, axis=0)
   y2 = kernels.gemv(x2, w.data, s, 'nk', kind, act=act)
   return _finish(y2, x_only, m_shape, ws[0], (v,), out, out_dtype)
+
+
+def _vblock_rows(rows: int, w: QArray) -> int:
+  """V rows per block of `vblocked_einsum`."""
+  v, d = w.shape
+  tile_v = w.tile_shape[0]
+  # Prefill (more rows than decode): blocks of 2**20 weights, ~2.6x fewer dot calls per head
+  # (1.4x faster at 512 rows); the temporary stays under 10% of an int4 head's bytes.
+  elements = _BLOCK_ELEMENTS if rows <= MAX_KERNEL_ROWS else _PREFILL_BLOCK_ELEMENTS
+  return max(tile_v, (elements // d) // tile_v * tile_v)
+
+
+def vblocks_refusal(xs: str, ws: str, out: str, x_shape, w: QArray) -> Optional[str]:
+  """None where `vblocked_einsum` takes this call, else why not."""
+  if not head_axes(xs, ws, out):
+    return 'not the head layout (weight (V, D), D contracted)'
+  rows = math.prod(d for c, d in zip(xs, x_shape) if c != ws[1])
+  if w.shape[0] // _vblock_rows(rows, w) < 2:
+    # small enough that the block is the weight: 'dequant' is the same thing
+    return f'a head of {w.shape[0]} rows is one block'
+  return None
 
 
 def vblocked_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray,
@@ -240,7 +279,7 @@ def vblocked_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray,
   and the blocks multiply in f32: the int8 numerics up to f32 rounding, for prefill shapes of
   a W8A8 / W4A8 head (its whole-operand integer dot needed GiBs of temporaries).
   """
-  if not head_axes(xs, ws, out):
+  if vblocks_refusal(xs, ws, out, x.shape, w):
     return None
   v, d = w.shape
   x2, x_only, m_shape = _rows(xs, x, ws[1])                        # (M, D) f32
@@ -249,13 +288,8 @@ def vblocked_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray,
     xq, xscale = tiled.quantize_rows(x2.reshape(-1, g, d // g), (2,), 'int')
     x2 = (xq.astype(jnp.float32) * xscale).reshape(x2.shape)
   tile_v = w.tile_shape[0]
-  # Prefill (more rows than decode): blocks of 2**20 weights, ~2.6x fewer dot calls per head
-  # (1.4x faster at 512 rows); the temporary stays under 10% of an int4 head's bytes.
-  elements = _BLOCK_ELEMENTS if x2.shape[0] <= MAX_KERNEL_ROWS else _PREFILL_BLOCK_ELEMENTS
-  vb = max(tile_v, (elements // d) // tile_v * tile_v)
+  vb = _vblock_rows(x2.shape[0], w)
   nb = v // vb
-  if nb < 2:
-    return None  # small enough that the block is the weight: 'dequant' is the same thing
   # as the row tiles (`tiled_path.tile_dtype`); f32 for int8 activations (their values times
   # their scales are not bf16)
   cdt = jnp.float32 if act is not None else tiled.tile_dtype(x2.shape[0])

@@ -1,6 +1,7 @@
 """`qeinsum(path='pallas')`: a QArray weight as the operands of `qjax.kernels.pallas_qmm`.
 
 The kernel multiplies x (M, K) by symmetric int8 codes (K, N) or packed int4 bytes (K, N/2)
+(native `jnp.int4` codes are bitcast to those bytes)
 with one scale row per group of K rows. A weight fits when its spec is x (M, K) @ w (K, N)
 with the weight's axes (contracted..., kept...) (`tiled_path.canonical_axes`, a free reshape
 of the storage), its groups are runs of the flattened contraction (o_proj's N*H included),
@@ -16,21 +17,22 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from qjax.core import tiled_path
 from qjax.core.qarray import QArray
 
 
-def _operands(xs, ws, out, w: QArray):
-  """(a, codes (K, ·), scales (G, N)) of `w`, or a reason it does not fit."""
+def _check(xs, ws, out, w: QArray):
+  """The number of contracted weight axes, or a reason `w` does not fit (shapes only)."""
   a = tiled_path.canonical_axes(xs, ws, out)
   if a is None:
     return f'spec {xs},{ws}->{out} is not x (M, K) @ w (contracted..., kept...)'
   qt, tiles, shape = w.qtype, w.tile_shape, w.shape
   if qt.is_float or w.zero_point is not None or qt.bits not in (4, 8):
     return f'{w.layout_name} is not symmetric int8 / int4'
-  if qt.bits == 4 and not qt.packed:
-    return f'{w.layout_name}: int4 codes go in packed (uint8) for this kernel'
+  if qt.bits == 4 and not (qt.packed or qt.native_int4):
+    return f'{w.layout_name}: int4 codes go in packed (uint8) or native (int4) for this kernel'
   if qt.bits == 4 and shape[-1] % 2:
     return f'an odd last axis ({shape[-1]}) leaves a padding nibble in each row'
   p = next((i for i in range(a) if tiles[i] != 1), a)
@@ -38,20 +40,42 @@ def _operands(xs, ws, out, w: QArray):
     return f'{w.layout_name}: groups are not runs of the flattened contraction'
   if any(1 < t < d for t, d in zip(tiles[a:], shape[a:])):
     return f'{w.layout_name}: scales cut a kept axis into groups'
+  return a
+
+
+def _operands(xs, ws, out, w: QArray):
+  """(a, codes (K, ·), scales (G, N)) of `w`, or a reason it does not fit."""
+  a = _check(xs, ws, out, w)
+  if isinstance(a, str):
+    return a
+  qt, shape = w.qtype, w.shape
   k, n = math.prod(shape[:a]), math.prod(shape[a:])
   sk = math.prod(w.scale.shape[:a])  # one scale row per group of the flattened contraction
   s_gn = jnp.broadcast_to(w.scale.reshape((sk,) + w.scale.shape[a:]), (sk,) + shape[a:])
-  return a, w.data.reshape(k, -1), s_gn.reshape(sk, n)
+  data = w.data
+  if qt.native_int4:
+    # Native int4 codes are the packed bytes already: XLA stores s4 two a byte along the last
+    # axis, low nibble first, which is qjax's packing (`qjax.core.packing`); the bitcast moves
+    # nothing.
+    data = lax.bitcast_convert_type(data.reshape(shape[:-1] + (shape[-1] // 2, 2)), jnp.uint8)
+  return a, data.reshape(k, -1), s_gn.reshape(sk, n)
+
+
+def refusal(xs: str, ws: str, out: str, x_shape, w: QArray):
+  """None where the kernel takes `w` under this spec at x's number of rows, else why not."""
+  from qjax.kernels import pallas_qmm  # pylint: disable=import-outside-toplevel
+  a = _check(xs, ws, out, w)
+  if isinstance(a, str):
+    return a
+  rows = math.prod(d for c, d in zip(xs, x_shape) if c not in ws[:a])
+  if rows > pallas_qmm.MAX_ROWS:
+    return f'{rows} rows > {pallas_qmm.MAX_ROWS} (decode shapes only)'
+  return None
 
 
 def fits(xs: str, ws: str, out: str, x: jax.Array, w: QArray) -> bool:
   """Whether the kernel takes `w` under this spec, at x's number of rows."""
-  from qjax.kernels import pallas_qmm  # pylint: disable=import-outside-toplevel
-  ops = _operands(xs, ws, out, w)
-  if isinstance(ops, str):
-    return False
-  rows = math.prod(d for c, d in zip(xs, x.shape) if c not in ws[:ops[0]])
-  return rows <= pallas_qmm.MAX_ROWS
+  return refusal(xs, ws, out, x.shape, w) is None
 
 
 def pallas_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype,

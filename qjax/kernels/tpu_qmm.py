@@ -129,6 +129,8 @@ def plan(layout: str, m: int, k: int, n: int, group: int,
   if group <= 0 or k % group:
     return None, f'group {group} does not divide K = {k}'
   bn = _divisor(n, blocks.bn, 128)
+  if bn is None and n <= blocks.bn:
+    bn = n  # a whole axis obeys the rule
   if bn is None:
     return None, f'N = {n} has no block that is a multiple of 128'
   if m <= blocks.bm:  # one row block of all M rows (a whole axis obeys the rule): no padding

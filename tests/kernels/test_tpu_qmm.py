@@ -46,7 +46,8 @@ def test_blocks_obey_the_tpu_rule(group):
     # a scale block is 8 groups (or all of them) by a multiple of 128 columns
     assert (p.bk // group) % 8 == 0 or p.bk == p.k
     assert p.bn % 128 == 0 and p.k % p.bk == 0 and p.n % p.bn == 0
-  assert tpu_qmm.fits('kn', 1, 256, 200, 64) is not None        # N = 200: no 128 block
+  assert tpu_qmm.fits('kn', 1, 256, 520, 64) is not None        # N = 520: no 128 block
+  assert tpu_qmm.fits('kn', 1, 256, 200, 64) is None            # N = 200: one whole block
   assert tpu_qmm.fits('nk', 1, 256, 256, 64) is not None        # head groups are 128 lanes
 
 
