@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qjax.core import QArray, choose_path, dequantize, fake_quant, qeinsum
-from qjax.core import scale_shape
+from qjax.core import paths, scale_shape
 from qjax.core.decode_paths import float_einsum, matrix_einsum
 from qjax.core.learned import learned_fake_quant, pact_clip
 from qjax.core.qdot import INT8_ACT
@@ -331,9 +331,9 @@ class Embed(Einsum):
     """Embedding rows of `tokens_BT` in `dtype`; a quantized table dequantizes only those rows."""
     table = self.w.get_value()
     if not isinstance(table, QArray):
-      rows_BTD = self.fake_weight(table)[tokens_BT].astype(dtype)
-    else:
-      rows_BTD = dequantize(table[tokens_BT], dtype)
+      table = self.fake_weight(table)
+    # Indexing, or on a TPU the tile-row gather kernel (the table stays in the head's layout).
+    rows_BTD = paths.lookup(table, tokens_BT, dtype)
     return shard_hooks.current().embed_rows(self, rows_BTD)
 
 
