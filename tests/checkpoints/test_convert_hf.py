@@ -199,3 +199,30 @@ def test_gemma3_270m_names_the_packaged_gguf(monkeypatch):
   monkeypatch.setattr(gemma3, 'gemma3_270m_path', lambda: '/cache/gemma3-270m.gguf')
   assert convert.resolve_source('gemma3-270m') == '/cache/gemma3-270m.gguf'
   assert convert.resolve_source('/some/dir') == '/some/dir'
+
+
+def _command(args, xla_flags):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS='cpu')
+  return subprocess.run([sys.executable, '-m', *args], cwd=root, capture_output=True,
+                        text=True, timeout=600, env=env, check=False)
+
+
+def test_generate_runs_a_checkpoint_in_its_own_precision(converted, subprocess_xla_flags):
+  # It used to sample at 0.7 with an int8 KV cache: not the tokens of the float model.
+  _, out, _ = converted
+  r = _command(['experiments.generate', f'--config.checkpoint={out}', '--prompt=To be',
+                '--config.max_tokens=2', '--config.engine.max_len=64'], subprocess_xla_flags)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert 'KV cache float32, temperature 0 (greedy), up to 2 tokens' in r.stderr
+
+
+def test_serve_names_the_flag_for_a_prompt_past_max_len(converted, subprocess_xla_flags):
+  _, out, _ = converted
+  r = _command(['experiments.serve', f'--config.checkpoint={out}', '--config.max_len=8',
+                '--config.prompts=To be, or not to be, that is the question'],
+               subprocess_xla_flags)
+  assert r.returncode != 0
+  assert '--config.max_tokens=24 > --config.max_len=8; pass --config.max_len=' in r.stderr
