@@ -186,3 +186,11 @@ def test_lookup_is_the_indexed_rows_everywhere():
         np.asarray(data[ids.reshape(-1)].astype(jnp.float32)))
   assert paths.rows.form(table, V5E)[0] == 'kernel'
   assert paths.rows.form(table, dataclasses.replace(V5E, platform='cpu'))[0] == 'index'
+
+
+def test_tpu_kernels_stay_off_a_partitioned_program():
+  w = _q((256, 256), int_format(4, group_size=64, channel_axes=(1,)), 'native')
+  slice8 = dataclasses.replace(V5E, device_count=8)
+  c = _pick('BTD,DF->BTF', (1, 1, 256), w, slice8)
+  assert c.path == 'native' and '8 devices' in c.reason
+  assert paths.rows.form(w, slice8)[0] == 'index'

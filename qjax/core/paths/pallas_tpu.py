@@ -4,8 +4,9 @@ reduce.
 Fits: weight-only; symmetric int8, native int4 or fp8 codes; a weight (contracted...,
 kept...) whose groups are runs of the flattened contraction (o_proj's N*H included) in whole
 multiples of 8 rows, or the tied head (V, D) per channel or in groups of whole 128-lane columns;
-output channels in multiples of 128 (`tpu_qmm.fits`); any number of rows. A TPU target (in
-'auto'); named elsewhere, it runs in Pallas interpret mode.
+output channels in multiples of 128 or one block (`tpu_qmm.fits`); any number of rows. A
+one-device TPU target in 'auto' (a Mosaic call has no SPMD partitioner); named elsewhere, it
+runs in Pallas interpret mode.
 Runs: blocks of codes widened in VMEM, one MXU dot per group with f32 accumulation and that
 group's scale row applied to its partial sum; per-channel scales once after the last K block.
 No float weight exists in HBM, so XLA's cost analysis counts the codes, the scales and the
@@ -42,6 +43,10 @@ def fits(call: Call, target, asked: bool) -> Optional[str]:
     return 'weight-only: the activations stay float'
   if target.platform != 'tpu' and not asked:
     return f'the target is {target.platform}; the Mosaic kernel lowers for TPUs'
+  if target.device_count > 1:
+    # A Mosaic call has no SPMD partitioning rule: over several devices XLA would gather its
+    # operands whole; its own dot partitions.
+    return f'{target.device_count} devices: the kernel is not partitioned (XLA\'s dot is)'
   if call.zero_point:
     return 'asymmetric codes (zero points)'
   if _codes_dtype_name(call) is None:

@@ -24,6 +24,8 @@ def form(table, target=None) -> tuple[str, str]:
   target = target or qjax_target.current()
   if target.platform != 'tpu':
     return 'index', f'{target.platform}: XLA gather'
+  if target.device_count > 1:
+    return 'index', f'{target.device_count} devices: XLA partitions its gather, not the kernel'
   if len(table.shape) != 2:
     return 'index', f'a table of rank {len(table.shape)}'
   if isinstance(table, QArray) and table.qtype.packed:
