@@ -64,6 +64,11 @@ def check_layout(layout: Optional[str], what: str) -> str:
 
 def to_layout(q: QArray, layout: str) -> QArray:
   """`q` with its codes stored in `layout` (the same codes, scales and zero points)."""
+  if not isinstance(q, QArray):
+    shape = f' of shape {tuple(q.shape)}' if hasattr(q, 'shape') else ''
+    raise ValueError(f'to_layout: got {type(q).__name__}{shape}, not a QArray; a layout is '
+                     'how quantized codes are stored, so quantize first (qjax.core.quantize(x, '
+                     'fmt)), or use relayout(tree), which leaves float leaves as they are.')
   layout = check_layout(layout, 'to_layout')
   if q.qtype.layout == layout:
     return q

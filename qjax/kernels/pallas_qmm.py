@@ -107,10 +107,14 @@ def check_operands(x_MK, w, scale_GN, bits: int) -> tuple[int, int, int, int]:
     raise ValueError(f'pallas_qmm: bits={bits} has no kernel; use 8 or 4.')
   if w.shape[0] != k:
     raise ValueError(f'pallas_qmm: x has K={k} columns but the codes have {w.shape[0]} rows.')
+  if not (m and k and n):
+    raise ValueError(f'pallas_qmm: an empty operand (M={m}, K={k}, N={n}: x {x_MK.shape}, '
+                     f'codes {w.shape}); every dimension must be at least 1 (an empty product '
+                     'needs no kernel: skip the call).')
   g = scale_GN.shape[0]
-  if scale_GN.shape[1] != n or k % g:
-    raise ValueError(f'pallas_qmm: scales {scale_GN.shape} must be (G, N={n}) with G dividing '
-                     f'K={k}.')
+  if not g or scale_GN.shape[1] != n or k % g:
+    raise ValueError(f'pallas_qmm: scales {scale_GN.shape} must be (G, N={n}) with G >= 1 '
+                     f'dividing K={k}.')
   if m > MAX_ROWS:
     raise ValueError(f'pallas_qmm: {m} rows is not a decode shape (at most {MAX_ROWS}); use '
                      "XLA's dot (path='native' or 'dequant') for prefill.")

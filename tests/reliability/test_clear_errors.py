@@ -187,3 +187,24 @@ def test_load_gguf_of_a_directory(tmp_path):
   with pytest.raises(ValueError, match=r"GGUF: '.*' is a directory; pass the .gguf file itself, "
                                        r"e.g. '.*model.gguf'"):
     qckpt.load_gguf(tmp_path)
+
+
+# ---- kernels and layouts --------------------------------------------------------------------
+@pytest.mark.parametrize('x,w,scale,message', [
+    ((0, 8), (8, 4), (1, 4), r'an empty operand \(M=0, K=8, N=4'),
+    ((1, 0), (0, 4), (1, 4), r'an empty operand \(M=1, K=0, N=4'),
+    ((1, 8), (8, 0), (1, 0), r'an empty operand \(M=1, K=8, N=0'),
+    ((1, 8), (8, 4), (0, 4), r'scales \(0, 4\) must be \(G, N=4\) with G >= 1 dividing K=8'),
+])
+def test_pallas_qmm_with_an_empty_dimension(x, w, scale, message):
+  # Were a ZeroDivisionError (K or G of 0) or a TypeError from the grid (M or N of 0).
+  from qjax.kernels import pallas_qmm  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=f'pallas_qmm: {message}'):
+    pallas_qmm.qmm(jnp.zeros(x), jnp.zeros(w, jnp.int8), jnp.ones(scale), bits=8)
+
+
+def test_to_layout_of_a_float_array():
+  from qjax.core.layouts import to_layout  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=r'to_layout: got ArrayImpl of shape \(2, 3\), not a '
+                                       r'QArray; .*quantize first'):
+    to_layout(jnp.zeros((2, 3)), 'native')
