@@ -43,7 +43,7 @@ def fits(call: Call, target, asked: bool) -> Optional[str]:
     return 'weight-only: the activations stay float'
   if target.platform != 'tpu' and not asked:
     return f'the target is {target.platform}; the Mosaic kernel lowers for TPUs'
-  if target.device_count > 1:
+  if target.platform == 'tpu' and target.device_count > 1:
     # A Mosaic call has no SPMD partitioning rule: over several devices XLA would gather its
     # operands whole; its own dot partitions.
     return f'{target.device_count} devices: the kernel is not partitioned (XLA\'s dot is)'
