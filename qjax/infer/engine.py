@@ -9,8 +9,10 @@ One step is one jitted function of (model state, tokens, cache, last_B, sampling
 every block against the paged cache (`qjax.infer.paged`), takes each sequence's last fed
 token, and samples (`qjax.infer.sampling.sample`, per-row seeds; an all-greedy step without
 a repetition penalty takes `argmax_or_non_finite` and skips the sampler's passes over the
-262k-entry vocabulary, ~25x cheaper on CPU). A row whose logits are not finite yields the
-token -1 (`qjax.nn.validate.NON_FINITE`), and its request ends with finish reason 'error'.
+vocabulary). A row whose logits are not finite yields the token -1
+(`qjax.nn.validate.NON_FINITE`), and its request ends with finish reason 'error', alone:
+attention masks select (`qjax.nn.attention_core.weighted_values`), so its NaN keys and
+values, and those it leaves in the pages it frees, reach no other request.
 
 A step's tokens are packed: tokens (N, 1), each sequence's fed tokens one after another, so
 the weights see the tokens the step feeds and nothing else (no decode padded to a chunk's
