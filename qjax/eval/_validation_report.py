@@ -146,6 +146,17 @@ def markdown(report: dict) -> str:
   for (wf, af), paths in sorted(formats.items()):
     shown = ', '.join(paths[:4]) + (f' (+{len(paths) - 4})' if len(paths) > 4 else '')
     lines.append(f'| {wf} | {af} | {shown} |')
+  runs = {}
+  for path, v in r['what_ran'].items():
+    if 'runs' in v:
+      key = (v['runs']['decode']['path'], v['runs']['prefill']['path'],
+             v['runs']['decode']['reason'])
+      runs.setdefault(key, []).append(path)
+  if runs:
+    lines += ['', '| decode path | prefill path | layers | why (decode) |', '|---|---|---|---|']
+    for (dp, pp, why), paths in sorted(runs.items()):
+      shown = ', '.join(paths[:4]) + (f' (+{len(paths) - 4})' if len(paths) > 4 else '')
+      lines.append(f'| {dp} | {pp} | {shown} | {why} |')
   return '\n'.join(lines)
 
 

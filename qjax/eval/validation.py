@@ -41,7 +41,7 @@ from qjax.eval import tasks as qtasks
 from qjax.eval._validation_report import markdown, plot
 from qjax.nn import (Attention, einsum_layers, greedy_step, init_cache,
                      kv_format)
-from qjax.nn.report import format_name
+from qjax.nn.report import format_name, layer_paths
 
 
 # ---------------------------------------------------------------------------- quality
@@ -205,8 +205,11 @@ def context_limit(model, policy, *, budget_bytes: int, batch: int = 1,
 
 # ---------------------------------------------------------------------------- what ran
 def what_ran(model) -> dict:
-  """Per layer, the weight format, activation format and compute path actually stored."""
+  """Per layer, the weight format, activation format and compute path actually stored, and
+  for a quantized layer the path it runs at decode and prefill shapes with the reason
+  (`qjax.nn.report.layer_paths`, on the target the report's programs are traced for)."""
   out = {}
+  ran = layer_paths(model)
   for path, layer in einsum_layers(model):
     if not layer.quantized:
       out[path] = {'weight': str(layer.w.get_value().dtype), 'act': 'float'}
@@ -216,6 +219,8 @@ def what_ran(model) -> dict:
     if getattr(q, 'outlier_threshold', None):
       act = f'int8 + float outlier columns (|x| > {q.outlier_threshold:g})'
     out[path] = {'weight': format_name(layer), 'act': act, 'path': q.path}
+    if path in ran:
+      out[path]['runs'] = ran[path]
   return out
 
 

@@ -16,7 +16,8 @@ __all__ = [
     "LoopState", "check_token_ids", "decode_loop", "decode_step", "decode_steps",
     "einsum_layers", "greedy_generate",
     "greedy_step",
-    "init_cache", "kv_format", "layer_forms", "logits_step", "online_attend", "model_report",
+    "init_cache", "kv_format", "layer_forms", "layer_paths", "logits_step", "online_attend",
+    "model_report",
     "num_params", "param_count", "quantize_model", "relayout_model", "resolve_format",
     "set_kv_format", "weight_bytes", "with_kv_format",
 ]
@@ -33,7 +34,7 @@ from qjax.nn.einsum_quant import EinsumQuant
 from qjax.nn.layers import Einsum, Embed, QWeight, RMSNorm
 from qjax.nn.policy import (QuantPolicy, QuantRule, apply_fake_quant, quantize_model,
                             relayout_model, resolve_format)
-from qjax.nn.report import (LayerReport, QuantReport, einsum_layers, model_report, param_count,
-                            weight_bytes)
+from qjax.nn.report import (LayerReport, QuantReport, einsum_layers, layer_paths, model_report,
+                            param_count, weight_bytes)
 from qjax.nn.rope import apply_rope
 from qjax.nn.transformer import MLP, Block, Transformer, check_token_ids

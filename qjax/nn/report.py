@@ -12,8 +12,13 @@ from typing import Any
 import jax
 from flax import nnx
 
-from qjax.core import QArray, nbytes
+from qjax.core import QArray, nbytes, paths
+from qjax.core.tiled_path import parse_spec
 from qjax.nn.layers import Einsum, QWeight
+
+# The shapes a record states each layer's path at: a decode step (one token per row) and a
+# prefill (a prompt of PREFILL_TOKENS), at batch 1 unless a caller says otherwise.
+PREFILL_TOKENS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +135,36 @@ def param_count(model: nnx.Module) -> int:
   qs = nnx.state(model, QWeight)
   q = sum(a.size for a in jax.tree.leaves(qs, is_leaf=lambda x: isinstance(x, QArray)))
   return fl + q
+
+
+def layer_paths(model: nnx.Module, *, batch: int = 1, prefill_tokens: int = PREFILL_TOKENS,
+                target=None) -> dict[str, dict]:
+  """The qeinsum path and reason of every quantized layer at decode and prefill shapes.
+
+  What `qeinsum` would run for each layer (its spec, weight, activation format and requested
+  path; `qjax.core.paths.describe`) on `target` (default: `qjax.target.current()`), with
+  activations of `batch` rows of one token (decode) and of `prefill_tokens` tokens (prefill).
+
+  Returns:
+    {layer path: {'decode': {'path', 'reason'}, 'prefill': {'path', 'reason'}}}; float
+    layers are left out.
+  """
+  out = {}
+  for path, layer in einsum_layers(model):
+    w = layer.w.get_value()
+    if not isinstance(w, QArray):
+      continue
+    xs, ws, _ = parse_spec(layer.spec)
+    entry = {}
+    for name, tokens in (('decode', 1), ('prefill', prefill_tokens)):
+      shape = [batch if c == 'B' else tokens if c == 'T' else
+               w.shape[ws.index(c)] if c in ws else 1 for c in xs]
+      # LLM.int8() layers multiply their int8 part on the 'int8' path
+      request = 'int8' if layer.quant.outlier_threshold is not None else layer.quant.path
+      entry[name] = paths.describe(layer.spec, shape, w, act_fmt=layer.quant.act_fmt,
+                                   path=request, target=target).to_dict()
+    out[path] = entry
+  return out
 
 
 def model_report(model: nnx.Module) -> str:

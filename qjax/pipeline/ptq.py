@@ -21,7 +21,8 @@ from qjax import eval as qeval
 from qjax import target as qjax_target
 from qjax.algorithms import apply_method
 from qjax.core import QFormat, choose_path, default_layout
-from qjax.nn import QuantPolicy, QuantRule, einsum_layers, set_kv_format, weight_bytes
+from qjax.nn import (QuantPolicy, QuantRule, einsum_layers, layer_paths, set_kv_format,
+                     weight_bytes)
 from qjax.train import data as qdata
 
 # The evaluation columns a conversion record repeats, when the row has them.
@@ -290,7 +291,8 @@ def quantize_and_evaluate(ref: FloatReference, q, out_dir: str, base_hash: str,
       zero_point_method='none (symmetric)' if q.symmetric else
                         'round(qmin - min/scale), stored in the scale dtype',
       calibration=calibration, compute_dtype=ref.model.config.dtype,
-      compute_path={'policy': policy.path, 'resolved': resolved_path(policy)},
+      compute_path={'policy': policy.path, 'resolved': resolved_path(policy, qmodel),
+                    'layers': layer_paths(qmodel)},
       kv_cache_format=(f'{kv.name} (quantized on write, per token and kv head)' if kv else
                        f'{ref.model.config.dtype} (not quantized)'),
       evaluation={k: row[k] for k in RECORD_EVALUATION if k in row})
@@ -304,15 +306,28 @@ def quantize_and_evaluate(ref: FloatReference, q, out_dir: str, base_hash: str,
   return row
 
 
-def resolved_path(policy) -> str:
-  """The qeinsum path the policy's layers take on the target (`qjax.target`), for the record."""
+def resolved_path(policy, model=None) -> str:
+  """The qeinsum paths the policy's layers take on the target (`qjax.target`), for the record.
+
+  With the quantized `model`, the paths its layers take at decode and prefill shapes
+  (`qjax.nn.layer_paths`, per layer in the record's 'layers'), counted; without it, the path
+  family of the policy's last rule (`qjax.core.choose_path`).
+  """
+  target = qjax_target.current()
+  where = f'on {target.platform} ({target.device_kind})'
+  if model is not None:
+    counts = {}
+    for entry in layer_paths(model).values():
+      key = f"decode {entry['decode']['path']}, prefill {entry['prefill']['path']}"
+      counts[key] = counts.get(key, 0) + 1
+    if counts:
+      shown = '; '.join(f'{k} ({n} layer{"s" * (n != 1)})' for k, n in sorted(counts.items()))
+      return f'{shown} {where} (qjax.core.paths.choose; per layer in compute_path.layers)'
   if policy.path != 'auto':
     return policy.path
   rule = policy.rules[-1]
   layout = default_layout()
-  target = qjax_target.current()
-  return (f'{choose_path(rule.weight, rule.act, layout=layout)} on {target.platform} '
-          f'({target.device_kind}), {layout} codes '
+  return (f'{choose_path(rule.weight, rule.act, layout=layout)} {where}, {layout} codes '
           '(qjax.core.choose_path, qjax.core.layouts; see qjax/core/qdot.py)')
 
 
