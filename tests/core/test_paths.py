@@ -194,3 +194,16 @@ def test_tpu_kernels_stay_off_a_partitioned_program():
   c = _pick('BTD,DF->BTF', (1, 1, 256), w, slice8)
   assert c.path == 'native' and '8 devices' in c.reason
   assert paths.rows.form(w, slice8)[0] == 'index'
+
+
+@pytest.mark.parametrize('fmt', [int_format(8, channel_axes=(0,), group_axis=1),
+                                 int_format(4, group_size=128, channel_axes=(0,), group_axis=1)],
+                         ids=lambda f: f.name)
+@pytest.mark.parametrize('layout', ['packed', 'native'])
+def test_pallas_gpu_head_layout_matches_float64(fmt, layout):
+  w = _q((384, 256), fmt, layout)
+  x = jax.random.normal(KEY[3], (2, 3, 256))
+  y = qeinsum('BTD,VD->BTV', x, w, path='pallas_gpu')
+  np.testing.assert_allclose(y, _f64('BTD,VD->BTV', x, w), rtol=2e-5, atol=2e-5)
+  g128 = _q((384, 256), int_format(4, group_size=128, channel_axes=(0,), group_axis=1), 'native')
+  assert _pick('BTD,VD->BTV', (1, 8, 256), g128, H200).path == 'pallas_gpu'

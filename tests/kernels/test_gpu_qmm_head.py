@@ -1,0 +1,34 @@
+"""qjax.kernels.gpu_qmm_head (the tied head's layout on Triton; interpret mode here) against a
+float64 numpy reference; its GPU lowering is compiled for a compile-only H200 in tests/aot."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from qjax.kernels import gpu_qmm_head
+
+RNG = np.random.default_rng(1)
+
+
+@pytest.mark.parametrize('bits,m,n,k,group', [(4, 1, 256, 512, 128), (4, 3, 384, 256, 256),
+                                              (8, 2, 256, 512, 64), (8, 17, 128, 256, 256)])
+def test_matches_float64(bits, m, n, k, group):
+  x = RNG.standard_normal((m, k)).astype(np.float32)
+  qmax = 7 if bits == 4 else 127
+  c = RNG.integers(-qmax, qmax + 1, (n, k)).astype(np.float32)
+  s = (RNG.random((n, k // group)) + .5).astype(np.float32)
+  ref = x.astype(np.float64) @ (c * np.repeat(s, group, axis=1)).T.astype(np.float64)
+  w = jnp.asarray(c).astype(jnp.int8)
+  if bits == 4:  # the bytes XLA stores s4 in: two a byte along K, low nibble first
+    w = lax.bitcast_convert_type(jnp.asarray(c).astype(jnp.int4).reshape(n, k // 2, 2),
+                                 jnp.uint8)
+  y = gpu_qmm_head.qmm_nk(jnp.asarray(x), w, jnp.asarray(s), bits=bits, interpret=True)
+  np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=2e-6,
+                             atol=2e-6 * np.abs(ref).max())
+
+
+def test_refusals_name_the_reason():
+  assert 'decode shapes' in gpu_qmm_head.refusal(65, 256, 256, 128, 4)
+  assert 'power-of-two' in gpu_qmm_head.refusal(1, 100, 256, 128, 4)
+  assert gpu_qmm_head.refusal(8, 128256, 2048, 128, 4) is None
