@@ -21,6 +21,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 from typing import Iterator, Optional
@@ -51,22 +52,27 @@ def libtpu_pin() -> Optional[str]:
 
 
 def requirements() -> dict:
-  """Each component's pinned requirement and the fallback taken when the index lacks the pin.
+  """{component: alternatives}: what pip installs for each component, each alternative a
+  tuple of requirements installed together, the first one the package index has.
 
-  The fallback is the newest release of the same series that the index has: libtpu below the
-  next pin, the CUDA plugin of the same jax minor version up to the installed one. Which one
-  was installed is recorded in the folder's manifest and in every report.
+  'libtpu': the pin of jax's `[tpu]` extra, else the newest release of the same series (below
+  the next pin). 'cuda': the CUDA plugin and its PJRT runtime of the installed jax version, for
+  CUDA 12 (what jax's `[cuda]` extra names), else CUDA 13 (jax 0.12.1 is published only
+  there), else the newest CUDA 12 release of the same minor version. A plugin older than jaxlib
+  cannot read the Pallas Triton kernels jaxlib writes ("reading newer builtin dialect version
+  than supported"), hence an exact version first, whichever CUDA. Which one was installed is
+  recorded in the folder's manifest and in every report.
   """
   version = jax.__version__
   minor = '.'.join(version.split('.')[:2])
   pin = libtpu_pin() or 'libtpu'
   m = re.fullmatch(r'libtpu==(\d+)\.(\d+)\.(\d+)(?:\.\*)?', pin)
   libtpu_fallback = f'libtpu<{m[1]}.{m[2]}.{int(m[3]) + 1}' if m else 'libtpu'
+  cuda = lambda major, spec: (f'jax-cuda{major}-plugin{spec}', f'jax-cuda{major}-pjrt{spec}')
   return {
-      'libtpu': (pin, libtpu_fallback),
-      'jax-cuda12-plugin': (f'jax-cuda12-plugin=={version}',
-                            f'jax-cuda12-plugin>={minor},<={version}'),
-      'jax-cuda12-pjrt': (f'jax-cuda12-pjrt=={version}', f'jax-cuda12-pjrt>={minor},<={version}'),
+      'libtpu': ((pin,), (libtpu_fallback,)),
+      'cuda': (cuda(12, f'=={version}'), cuda(13, f'=={version}'),
+               cuda(12, f'>={minor},<={version}')),
   }
 
 
@@ -79,37 +85,66 @@ def read_manifest(folder: Optional[pathlib.Path] = None) -> Optional[dict]:
     return None
 
 
+def _package(spec: str) -> str:
+  return re.split(r'[<>=!~ ]', spec, maxsplit=1)[0]
+
+
+def _installed(have: Optional[dict], wanted: dict) -> bool:
+  """Whether a manifest is of an install of `wanted` for this jax: one that recorded the same
+  requirements, or one without them (an earlier layout) that needed no fallback."""
+  if not have or have.get('jax') != jax.__version__:
+    return False
+  if 'requirements' in have:
+    return have['requirements'] == wanted
+  return not have.get('fallbacks') and all(
+      have.get(_package(spec)) for alternatives in wanted.values() for spec in alternatives[0])
+
+
 def install(folder: Optional[pathlib.Path] = None, *, say=print) -> dict:
   """Install libtpu and the CUDA plugin (no dependencies) into `folder`; idempotent.
 
+  The install is made in a folder beside it, which then replaces `folder`, so that a process
+  reading the toolchain never sees half of one.
+
   Returns:
-    The manifest: {component: installed version, 'jax': jax's version, 'python': ...}.
+    The manifest: {package: installed version, 'jax': jax's version, 'python': ...,
+    'requirements': what was asked, 'fallbacks': {component: why}} .
 
   Raises:
-    RuntimeError: pip failed for a component even with its fallback (pip's output named).
+    RuntimeError: pip failed for a component with every alternative (pip's output named).
   """
   folder = pathlib.Path(folder or default_dir())
+  wanted = json.loads(json.dumps(requirements()))
   have = read_manifest(folder)
-  if have and all(have.get(c) for c in requirements()) and have.get('jax') == jax.__version__:
+  if _installed(have, wanted):
     return have
-  folder.mkdir(parents=True, exist_ok=True)
-  manifest = {'jax': jax.__version__, 'python': sys.version.split()[0]}
-  for component, (pinned, fallback) in requirements().items():
-    for spec in (pinned, fallback):
-      say(f'qjax.aot: installing {spec} into {folder}')
+  stage, old = (folder.with_name(folder.name + suffix) for suffix in ('.installing', '.old'))
+  shutil.rmtree(stage, ignore_errors=True)
+  stage.mkdir(parents=True)
+  manifest = {'jax': jax.__version__, 'python': sys.version.split()[0], 'requirements': wanted}
+  for component, alternatives in requirements().items():
+    for specs in alternatives:
+      say(f"qjax.aot: installing {' '.join(specs)} into {folder}")
       run = subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-deps',
-                            '--upgrade', '--target', str(folder), spec],
+                            '--target', str(stage), *specs],
                            capture_output=True, text=True, check=False)
       if run.returncode == 0:
         break
     else:
-      raise RuntimeError(f'qjax.aot: pip could not install {pinned} (nor {fallback}) into '
-                         f'{folder}:\n{run.stderr[-2000:]}')
-    manifest[component] = _version_in(folder, component)
-    if spec != pinned:
+      raise RuntimeError(f"qjax.aot: pip could not install {component} into {folder} (tried "
+                         f"{'; '.join(' '.join(a) for a in alternatives)}):\n"
+                         f'{run.stderr[-2000:]}')
+    for spec in specs:
+      manifest[_package(spec)] = _version_in(stage, _package(spec))
+    if specs != alternatives[0]:
       manifest.setdefault('fallbacks', {})[component] = (
-          f'{pinned} is not on the package index; installed {manifest[component]}')
-  (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+          f"{' '.join(alternatives[0])}: not on the package index; installed {' '.join(specs)}")
+  (stage / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+  shutil.rmtree(old, ignore_errors=True)
+  if folder.exists():
+    folder.rename(old)
+  stage.rename(folder)
+  shutil.rmtree(old, ignore_errors=True)
   return manifest
 
 

@@ -2,6 +2,9 @@
 toolchain is missing."""
 
 import importlib.metadata
+import pathlib
+import re
+import subprocess
 import sys
 
 import jax
@@ -12,19 +15,72 @@ from qjax.aot import toolchain
 
 def test_requirements_pin_the_installed_jax():
   req = toolchain.requirements()
-  assert set(req) == {'libtpu', 'jax-cuda12-plugin', 'jax-cuda12-pjrt'}
+  assert list(req) == ['libtpu', 'cuda']
   v = jax.__version__
   minor = '.'.join(v.split('.')[:2])
-  assert req['jax-cuda12-plugin'] == (f'jax-cuda12-plugin=={v}',
-                                      f'jax-cuda12-plugin>={minor},<={v}')
-  assert req['jax-cuda12-pjrt'] == (f'jax-cuda12-pjrt=={v}', f'jax-cuda12-pjrt>={minor},<={v}')
+  assert req['cuda'] == ((f'jax-cuda12-plugin=={v}', f'jax-cuda12-pjrt=={v}'),
+                         (f'jax-cuda13-plugin=={v}', f'jax-cuda13-pjrt=={v}'),
+                         (f'jax-cuda12-plugin>={minor},<={v}', f'jax-cuda12-pjrt>={minor},<={v}'))
   extra = [r.split(';')[0].replace(' ', '') for r in importlib.metadata.requires('jax') or ()
            if r.startswith('libtpu') and 'extra == "tpu"' in r]
-  pin, fallback = req['libtpu']
+  (pin,), (fallback,) = req['libtpu']
   assert pin == (extra[0] if extra else 'libtpu')
   if pin.startswith('libtpu=='):  # 'libtpu==0.0.42.*' falls back below 0.0.43
     major, minor_, patch = pin.split('==')[1].split('.')[:3]
     assert fallback == f'libtpu<{major}.{minor_}.{int(patch) + 1}'
+
+
+class _Pip:
+  """`subprocess.run` of pip against an index of `available` {package: version}: installs
+  (writes a dist-info) only when every spec names an available version."""
+
+  def __init__(self, available):
+    self.available, self.calls = available, []
+
+  def __call__(self, cmd, **_):
+    specs = cmd[cmd.index('--target') + 2:]
+    target = pathlib.Path(cmd[cmd.index('--target') + 1])
+    self.calls.append(specs)
+    found = {}
+    for spec in specs:
+      name = re.split(r'[<>=]', spec)[0]
+      version = self.available.get(name)
+      if version is None or ('==' in spec and spec.split('==')[1].rstrip('.*') not in version):
+        return subprocess.CompletedProcess(cmd, 1, '', f'No matching distribution for {spec}')
+      found[name] = version
+    for name, version in found.items():
+      (target / f"{name.replace('-', '_')}-{version}.dist-info").mkdir(parents=True)
+    return subprocess.CompletedProcess(cmd, 0, '', '')
+
+
+def test_install_takes_the_first_alternative_the_index_has_and_records_it(monkeypatch,
+                                                                          tmp_path):
+  v = jax.__version__
+  (pin,), _ = toolchain.requirements()['libtpu']
+  libtpu = pin.split('==')[1].rstrip('.*') + '.1' if '==' in pin else '0.0.1'
+  pip = _Pip({'libtpu': libtpu, 'jax-cuda13-plugin': v, 'jax-cuda13-pjrt': v})
+  monkeypatch.setattr(toolchain.subprocess, 'run', pip)
+  folder = tmp_path / 'tc'
+  folder.mkdir()
+  (folder / 'stale').write_text('from an earlier install')
+  manifest = toolchain.install(folder, say=lambda _: None)
+  assert pip.calls[1:] == [[f'jax-cuda12-plugin=={v}', f'jax-cuda12-pjrt=={v}'],
+                           [f'jax-cuda13-plugin=={v}', f'jax-cuda13-pjrt=={v}']]
+  assert manifest['libtpu'] == libtpu and manifest['jax-cuda13-plugin'] == v
+  assert 'not on the package index' in manifest['fallbacks']['cuda']
+  assert 'libtpu' not in manifest.get('fallbacks', {})
+  assert toolchain.read_manifest(folder) == manifest
+  assert not (folder / 'stale').exists()  # the new install replaced the folder
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['tc']
+  calls = len(pip.calls)
+  assert toolchain.install(folder, say=lambda _: None) == manifest  # idempotent
+  assert len(pip.calls) == calls
+
+
+def test_install_names_what_it_tried_when_the_index_has_nothing(monkeypatch, tmp_path):
+  monkeypatch.setattr(toolchain.subprocess, 'run', _Pip({}))
+  with pytest.raises(RuntimeError, match=r'could not install libtpu .*tried libtpu'):
+    toolchain.install(tmp_path / 'tc', say=lambda _: None)
 
 
 def test_the_folder_is_per_jax_and_python_and_the_variable_overrides_it(monkeypatch, tmp_path):
