@@ -1,8 +1,8 @@
 """The compile-only toolchains: libtpu (TPU) and the CUDA PJRT plugin (GPU), kept apart.
 
 Compiling for a TPU or GPU without one needs the compiler that jax would run there: libtpu
-for TPUs, `jax-cuda12-plugin` + `jax-cuda12-pjrt` for NVIDIA GPUs, each of the release the
-installed jax pins. They are installed into a folder of their own (`pip install --no-deps
+for TPUs, `jax-cuda12-plugin` + `jax-cuda12-pjrt` (or their CUDA 13 builds) for NVIDIA GPUs,
+each of the release the installed jax pins (`requirements`). They are installed into a folder of their own (`pip install --no-deps
 --target`), never into the environment: with libtpu importable, every jax process that does
 not set `JAX_PLATFORMS=cpu` tries the TPU backend and takes libtpu's machine-wide lockfile,
 so a second process (a pytest worker) fails. `activate()` reaches them from one process, after
