@@ -61,6 +61,8 @@ def test_auto_rows_of_the_table():
   assert _pick('BTD,DF->BTF', (1, 1, 256), _q((256, 256), ch8, 'native'), H200).path == 'native'
   assert _pick('BTD,DF->BTF', (1, 8, 256), kn_native, H200).path == 'pallas_gpu'
   assert _pick('BTD,DF->BTF', (1, 512, 256), kn_native, H200).path == 'native'
+  int4_ch = _q((256, 256), int_format(4, channel_axes=(1,)), 'native')
+  assert _pick('BTD,DF->BTF', (1, 8, 256), int4_ch, H200).path == 'pallas_gpu'
   # quantized activations: one integer dot off CPU
   assert _pick('BTD,DF->BTF', (1, 8, 256), _q((256, 256), ch8), V5E,
                act=int_format(8)).path == 'int_dot'

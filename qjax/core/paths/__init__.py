@@ -12,7 +12,7 @@ state per layer (`describe`).
 | tiled | (contracted..., kept...) weights, groups on the last contracted axis | CPU |
 | vblocks | the tied head (V, D), more than one block of V rows | CPU |
 | pallas_tpu | symmetric int8 / native int4 / fp8; scales after each group's sum | TPU |
-| pallas_gpu | symmetric int8 / int4 (packed or native), <= 64 rows | NVIDIA, groups |
+| pallas_gpu | symmetric int8 / int4 (packed or native), <= 64 rows | NVIDIA: groups, int4 |
 | native | codes XLA reads as stored (native layout, 8-bit, fp8) | TPU, GPU |
 | int_dot | int8 / fp8 activations (W8A8, fp8 x fp8) as one XLA dot | everywhere |
 | dequant | everything: the reference (a float copy of the weight) | last resort |

@@ -37,10 +37,12 @@ AUTO = {
     ('rocm', 'float'): ('native', 'dequant'),
     ('rocm', 'quantized'): ('int_dot', 'dequant'),
 }
-# NVIDIA, weight-only, grouped codes: XLA:GPU writes the dequantized weight before cuBLAS
-# unless the subchannel dequantisation fusion flag is set (a process-wide XLA flag that a
-# traced function cannot set), so the Triton kernel goes first where it fits (decode rows).
-AUTO_NVIDIA_GROUPED = ('pallas_gpu', 'native', 'dequant')
+# NVIDIA, weight-only, grouped or int4 codes: the Triton kernels go first where they fit
+# (decode rows). XLA:GPU writes a grouped weight dequantized unless the subchannel
+# dequantisation fusion flag is set (process-wide: a traced function cannot set it), and on a
+# compile-only H200 it converted per-channel int4 gate and up weights to bf16 at batch 8 to
+# fuse their two dots into one GEMM (docs/quantized_matmul.md).
+AUTO_NVIDIA_KERNEL_FIRST = ('pallas_gpu', 'native', 'dequant')
 
 # A named path: what it may run, in order: itself, then the fallbacks its docs promise.
 NAMED = {
@@ -94,8 +96,8 @@ def candidates(call: Call, request: str, target) -> tuple[str, ...]:
   if request == 'auto':
     key = (platform if platform in ('cpu', 'tpu', 'nvidia', 'rocm') else 'nvidia',
            _activations(call))
-    if key == ('nvidia', 'float') and not call.per_channel:
-      return AUTO_NVIDIA_GROUPED
+    if key == ('nvidia', 'float') and (not call.per_channel or call.qtype.bits == 4):
+      return AUTO_NVIDIA_KERNEL_FIRST
     return AUTO[key]
   if request in ('int8', 'fp8'):
     key = (platform if platform in ('cpu', 'tpu', 'nvidia', 'rocm') else 'nvidia', 'quantized')

@@ -1,0 +1,323 @@
+"""Quantized formats against bf16 on compile-only targets: bytes, temp and flops ratios.
+
+    JAX_PLATFORMS=cpu python -m benchmarks.qmm_targets [--targets=v5e-1,v6e-1,h200]
+        [--formats=bf16,int8,int4,int4_g128,fp8,w8a8] [--batches=1,8] [--layers=2]
+        [--prefill=512] [--mlp] [--json=PATH]
+
+For each target (`qjax.aot`: a TPU or GPU this machine does not have), each format
+(`qjax.aot.programs.FORMATS`: every projection and the tied head in the format) builds
+Llama-3.2-1B's widths, heads and vocabulary (`--layers` of its 16 layers) abstractly,
+compiles the decode step at each batch (context 128) and, with `--prefill`, one prompt of that
+length, and prints each format's compiled bytes accessed, temp and flops as ratios to bf16's,
+the bytes over the format's own weight + KV bytes, and the path each kind of layer took.
+`--mlp` adds the MLP up-projection (2048 x 8192) alone at M = 1 and 8 for int4 g32 / g64
+(bf16 scales for g32: f32 scales alone are 1/8 of its int4 codes' bytes, 0.31x bf16).
+
+Every number is the compiler's prediction (XLA's cost analysis on TPU, an HLO op count on GPU:
+`bytes_source`), not a measurement. Takes ~1 minute per format and target on 2 cores.
+Compile-only runs load libtpu: run with JAX_PLATFORMS=cpu, never inside a pytest worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qjax import aot
+from qjax.aot import programs
+from qjax.core import QArray, int_format, layouts, paths, qeinsum, quantize
+from qjax.core.tiled_path import parse_spec
+from qjax.nn import TransformerConfig
+from qjax.nn.report import einsum_layers
+
+TARGETS = ('v5e-1', 'v6e-1', 'h200')
+CONTEXT = 128
+
+def config(layers: int) -> TransformerConfig:
+  """Llama-3.2-1B's shapes (tied head), `layers` layers, bf16."""
+  return TransformerConfig.llama_like(tie_embeddings=True, max_len=2048,
+                                      num_layers=layers).replace(dtype='bfloat16',
+                                                                 param_dtype='bfloat16')
+
+
+def layer_paths(m: programs.AbstractModel, batch: int, tokens: int) -> dict:
+  """{layer kind: 'path (reason)'} the model's quantized layers take at (batch, tokens)."""
+  model = nnx.merge(m.graphdef, m.state)
+  out = {}
+  with aot.tracing_for(m.target):
+    for name, layer in einsum_layers(model):
+      w = layer.w.get_value()
+      if not isinstance(w, QArray):
+        continue
+      xs, ws, _ = parse_spec(layer.spec)
+      shape = [batch if c == 'B' else tokens if c == 'T' else w.shape[ws.index(c)] for c in xs]
+      kind = re.sub(r'layers/\d+/', '', name)
+      if kind not in out:
+        c = paths.describe(layer.spec, shape, w, act_fmt=layer.quant.act_fmt,
+                           path=layer.quant.path)
+        out[kind] = c.path
+  return out
+
+
+_COST = re.compile(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"')
+_S1 = re.compile(r'S\(1\)')
+_VMEM_OPS = ('copy-done', 'slice-done')
+
+
+def _in_vmem(type_text: str) -> bool:
+  return bool(_S1.search(type_text))
+
+
+def _array_bytes(type_text: str, vmem: bool) -> int:
+  """Bytes of the arrays in an HLO type that live in VMEM (vmem=True) or in HBM."""
+  from qjax.aot import _hlo  # pylint: disable=import-outside-toplevel
+  total = 0
+  for m in re.finditer(r'[a-z][a-z0-9]*\[[\d,]*\]\{[^}]*\}|[a-z][a-z0-9]*\[[\d,]*\]', type_text):
+    if _in_vmem(m.group(0)) == vmem:
+      total += _hlo.shape_bytes(m.group(0).split('{')[0])
+  return total
+
+
+def _fused_reads(comp, n_operands: int):
+  """`qjax.aot._hlo`'s per-operand reads of a fusion, and a table read only by gathers (an
+  embedding lookup) counts the rows gathered, not the table."""
+  from qjax.aot import _hlo  # pylint: disable=import-outside-toplevel
+  reads = _hlo._fused_read_bytes(comp, n_operands)  # pylint: disable=protected-access
+  if comp is None or reads is None:
+    return reads
+  params = {}
+  for ins in comp:
+    m = re.match(r'\s*(\d+)\)', ins.rest) if ins.op == 'parameter' else None
+    if m:
+      params[ins.name] = int(m.group(1))
+  users = {}
+  for ins in comp:
+    for i, name in enumerate(_hlo._OPERAND.findall(ins.rest.split('),')[0])):  # pylint: disable=protected-access
+      users.setdefault(name, []).append((ins, i))
+  for name, index in params.items():
+    uses = users.get(name, [])
+    if index < n_operands and reads[index] is None and uses and all(
+        u.op == 'gather' and i == 0 for u, i in uses):
+      reads[index] = sum(_hlo.shape_bytes(u.type.split('{')[0]) for u, _ in uses)
+  return reads
+
+
+def hbm_bytes(hlo: str) -> dict:
+  """An HBM-traffic estimate of a compiled TPU program, and the VMEM prefetch bytes.
+
+  XLA:TPU's memory-space assignment copies operands that fit into VMEM (memory space S(1))
+  ahead of their use, and its cost analysis counts each such copy's HBM read, its VMEM write
+  and the consumer's VMEM read. Here each top-level op counts only what it reads from and
+  writes to HBM: a copy or slice into VMEM its source, a Mosaic kernel the bytes it states
+  less its operands and result already in VMEM, any other op its operands and result outside
+  VMEM (a fusion that slices or updates a buffer in place its slice or update, as
+  `qjax.aot._hlo` counts, and one that gathers rows of a table the rows). On a GPU (no VMEM)
+  it is `qjax.aot._hlo.bytes_moved`'s op count with the gather rule. The same rule for every
+  format; a model of the traffic, not a measurement.
+
+  Returns:
+    {'hbm': bytes, 'vmem_prefetch': bytes copied into VMEM ahead of use}.
+  """
+  from qjax.aot import _hlo  # pylint: disable=import-outside-toplevel
+  comps = _hlo.parse(hlo)
+  totals = {'hbm': 0, 'vmem_prefetch': 0}
+
+  def walk(name: str, mult: int, depth: int = 0):
+    comp = comps.get(name, [])
+    types = {ins.name: ins.type for ins in comp}
+    for ins in comp:
+      if ins.op == 'while' and depth < 8:
+        body, trips = _hlo._BODY.search(ins.rest), _hlo._TRIPS.search(ins.rest)  # pylint: disable=protected-access
+        if body:
+          walk(body.group(1), mult * (int(trips.group(1)) if trips else 1), depth + 1)
+        continue
+      if ins.op in _hlo._FREE or ins.op in _VMEM_OPS:  # pylint: disable=protected-access
+        continue
+      operands = [o for o in _hlo._OPERAND.findall(ins.rest.split('),')[0] + ')')  # pylint: disable=protected-access
+                  if o in types]
+      if ins.op in ('copy-start', 'slice-start'):
+        dest = ins.type.split('}), ', 1)[-1] if ins.op == 'slice-start' else ins.type
+        first = re.match(r'\(?\(?([a-z][a-z0-9]*\[[\d,]*\]\{[^}]*\})', dest)
+        moved = _hlo.shape_bytes(first.group(1).split('{')[0]) if first else 0
+        if first and _in_vmem(first.group(1)):
+          totals['vmem_prefetch'] += mult * moved
+        totals['hbm'] += mult * moved  # an HBM read into VMEM, or an HBM write out of it
+        continue
+      cost = _COST.search(ins.rest) if 'tpu_custom_call' in ins.rest else None
+      if cost:
+        in_vmem = sum(_array_bytes(types[o], True) for o in operands)
+        totals['hbm'] += mult * max(0, int(cost.group(1)) - in_vmem -
+                                    _array_bytes(ins.type, True))
+        continue
+      called = _hlo._CALLS.search(ins.rest)  # pylint: disable=protected-access
+      reads = (_fused_reads(comps.get(called.group(1)), len(operands))
+               if ins.op == 'fusion' and called else None)
+      for i, o in enumerate(operands):
+        if _in_vmem(types[o]):
+          continue
+        r = reads[i] if reads is not None and reads[i] is not None else None
+        totals['hbm'] += mult * (_array_bytes(types[o], False) if r is None else r)
+      if not _in_vmem(ins.type):
+        totals['hbm'] += mult * min(_array_bytes(ins.type, False),
+                                    _hlo._written_bytes(ins, comps))  # pylint: disable=protected-access
+  walk('ENTRY', 1)
+  return totals
+
+
+def _row(report, m: programs.AbstractModel, program: str, kv: int, paths_: Optional[dict],
+         hbm: dict) -> dict:
+  return {'target': m.target, 'format': m.fmt, 'program': program,
+          'compiled': report.compiled, 'error': report.error,
+          'bytes': report.bytes_accessed, 'bytes_source': report.bytes_source,
+          'temp': report.temp_bytes, 'flops': report.flops, 'weight_bytes': m.weight_bytes,
+          'kv_bytes': kv, 'hbm_bytes': hbm.get('hbm'),
+          'vmem_prefetch_bytes': hbm.get('vmem_prefetch'), 'kernels': report.kernels,
+          'paths': paths_}
+
+
+def compile_with_hlo(fn, args, target: str, name: str, donate=()):
+  """(Report, `hbm_bytes` of its compiled HLO) of one program."""
+  report = aot.compile_for(fn, *args, target=target, program=name, donate_argnums=donate)
+  hbm = {}
+  if report.compiled:
+    with aot.tracing_for(target) as (mesh, _):
+      compiled = jax.jit(fn, donate_argnums=donate).lower(
+          *aot.abstract_args(args, mesh)).compile()
+      hbm = hbm_bytes(compiled.as_text())
+  return report, hbm
+
+
+def model_rows(target: str, fmt: str, cfg: TransformerConfig, batches, prefill: int,
+               say=print) -> list[dict]:
+  """The decode step at each batch (and a prefill) of `fmt` on `target`."""
+  t0 = time.perf_counter()
+  m = programs.abstract_model(cfg, fmt, target)
+  rows = []
+  progs = [(programs.decode(m, b, CONTEXT), b, 1) for b in batches]
+  if prefill:
+    progs.append((programs.prefill(m, prefill), 1, prefill))
+  for prog, b, t in progs:
+    report, hbm = compile_with_hlo(prog.fn, prog.args, target, prog.name, prog.donate_argnums)
+    kv = programs.cache_bytes(prog.args[3])
+    rows.append(_row(report, m, prog.name, kv, None if fmt == 'bf16' else layer_paths(m, b, t),
+                     hbm))
+    say(f'  {target} {fmt} {prog.name}: bytes {_mb(report.bytes_accessed)} temp '
+        f'{_mb(report.temp_bytes)} ({time.perf_counter() - t0:.0f} s)')
+  return rows
+
+
+def _mb(b) -> str:
+  return '-' if b is None else f'{b / 1e6:.1f} MB'
+
+
+def mlp_rows(target: str, say=print) -> list[dict]:
+  """The MLP up-projection alone, bf16 against int4 g32 (bf16 scales) and g64 (f32)."""
+  k, n = 2048, 8192
+  rows = []
+  fmts = {'int4_g32': int_format(4, group_size=32, channel_axes=(1,), scale_dtype='bfloat16'),
+          'int4_g64': int_format(4, group_size=64, channel_axes=(1,))}
+  for m_rows in (1, 8):
+    x = jax.ShapeDtypeStruct((1, m_rows, k), jnp.bfloat16)
+    base, hbm = compile_with_hlo(lambda x, w: jnp.einsum('BTD,DF->BTF', x, w),
+                                 (x, jax.ShapeDtypeStruct((k, n), jnp.bfloat16)), target,
+                                 f'mlp bf16 M={m_rows}')
+    rows.append({'target': target, 'format': 'bf16', 'program': f'mlp M={m_rows}',
+                 'bytes': base.bytes_accessed, 'hbm_bytes': hbm.get('hbm'),
+                 'temp': base.temp_bytes, 'flops': base.flops,
+                 'weight_bytes': k * n * 2, 'compiled': base.compiled, 'error': base.error})
+    for name, fmt in fmts.items():
+      with aot.tracing_for(target):
+        w = jax.eval_shape(lambda fmt=fmt: layouts.to_layout(
+            quantize(jnp.ones((k, n), jnp.float32), fmt), layouts.default_layout()))
+        choice = paths.describe('BTD,DF->BTF', (1, m_rows, k), w).path
+      r, hbm = compile_with_hlo(lambda x, w: qeinsum('BTD,DF->BTF', x, w), (x, w), target,
+                                f'mlp {name} M={m_rows}')
+      rows.append({'target': target, 'format': name, 'program': f'mlp M={m_rows}',
+                   'bytes': r.bytes_accessed, 'hbm_bytes': hbm.get('hbm'),
+                   'temp': r.temp_bytes, 'flops': r.flops,
+                   'weight_bytes': k * n // 2 + (k // fmt.group_size) * n *
+                   jnp.dtype(fmt.scale_dtype).itemsize, 'compiled': r.compiled,
+                   'error': r.error, 'paths': {'up_proj': choice}})
+      say(f'  {target} mlp {name} M={m_rows}: {_mb(r.bytes_accessed)} vs bf16 '
+          f'{_mb(base.bytes_accessed)}')
+  return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+  """Each row with its ratios to the bf16 row of the same target and program."""
+  base = {(r['target'], r['program']): r for r in rows if r['format'] == 'bf16'}
+  out = []
+  for r in rows:
+    b = base.get((r['target'], r['program']))
+    r = dict(r)
+    ok = r.get('compiled') and b and b.get('compiled')
+    r['bytes_ratio'] = r['bytes'] / b['bytes'] if ok and b['bytes'] else None
+    r['hbm_ratio'] = (r['hbm_bytes'] / b['hbm_bytes'] if ok and r.get('hbm_bytes') and
+                      b.get('hbm_bytes') else None)
+    r['flops_ratio'] = (r['flops'] / b['flops'] if ok and r.get('flops') and b.get('flops')
+                        else None)
+    r['temp_of_weights'] = (r['temp'] / r['weight_bytes'] if r.get('temp') is not None
+                            else None)
+    own = r['weight_bytes'] + r.get('kv_bytes', 0)
+    r['bytes_of_own'] = r['bytes'] / own if r.get('bytes') else None
+    r['hbm_of_own'] = r['hbm_bytes'] / own if r.get('hbm_bytes') else None
+    out.append(r)
+  return out
+
+
+def markdown(rows: list[dict]) -> str:
+  """The ratio table (one row per target, format and program)."""
+  lines = ['| target | program | format | bytes accessed (MB) | x bf16 | HBM model (MB) | '
+           'x bf16 | x own weights+KV | temp / weights | flops x bf16 | paths |',
+           '|---|---|---|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    def f(v, p=2):
+      return '-' if v is None else f'{v:.{p}f}'
+    kinds = r.get('paths') or {}
+    shown = ', '.join(f'{k}: {v}' for k, v in sorted(kinds.items()))
+    lines.append(f"| {r['target']} | {r['program']} | {r['format']} | "
+                 f"{f(r['bytes'] / 1e6 if r.get('bytes') else None, 1)} | "
+                 f"{f(r['bytes_ratio'])} | "
+                 f"{f(r['hbm_bytes'] / 1e6 if r.get('hbm_bytes') else None, 1)} | "
+                 f"{f(r['hbm_ratio'])} | {f(r['hbm_of_own'])} | "
+                 f"{f(r['temp_of_weights'], 3)} | {f(r['flops_ratio'])} | {shown or '-'} |")
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> list[dict]:
+  ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  ap.add_argument('--targets', default=','.join(TARGETS))
+  ap.add_argument('--formats', default=','.join(programs.FORMATS))
+  ap.add_argument('--batches', default='1,8')
+  ap.add_argument('--layers', type=int, default=2)
+  ap.add_argument('--prefill', type=int, default=0)
+  ap.add_argument('--mlp', action='store_true')
+  ap.add_argument('--json', default=None)
+  a = ap.parse_args(argv)
+  cfg = config(a.layers)
+  batches = [int(b) for b in a.batches.split(',') if b]
+  rows = []
+  for target in a.targets.split(','):
+    for fmt in a.formats.split(','):
+      rows += model_rows(target, fmt, cfg, batches, a.prefill)
+    if a.mlp:
+      rows += mlp_rows(target)
+  rows = ratios(rows)
+  print(markdown(rows))
+  if a.json:
+    with open(a.json, 'w') as f:
+      json.dump({'jax': jax.__version__, 'layers': a.layers, 'context': CONTEXT,
+                 'toolchain': aot.toolchain.read_manifest(), 'rows': rows}, f, indent=1,
+                default=str)
+  return rows
+
+
+if __name__ == '__main__':
+  main()
