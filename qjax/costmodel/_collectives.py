@@ -25,6 +25,7 @@ from qjax.costmodel import _layouts
 from qjax.costmodel import _names
 
 INTERCONNECTS = ('all_links', 'per_axis')
+LANES = 128  # a TPU vector register's lanes: the tile a minor dimension is padded to
 KINDS = ('all_gather', 'reduce_scatter', 'all_reduce', 'all_to_all')
 
 
@@ -100,6 +101,60 @@ def collective_seconds(c: Collective, chip: _chips.Chip, mesh: _layouts.Mesh,
   raise _names.unknown_name('collective kind', c.kind, KINDS)
 
 
+def head_collectives(plan: _layouts.ShardPlan, mesh: _layouts.Mesh, layout: _layouts.Layout,
+                     tokens: int, rows: int, act_bytes: float, weight_bytes: float) -> list:
+  """The collectives of the embedding lookup and the output head, once per forward pass.
+
+  The table is stored V over the F axes and E over x (1d_ws: E whole): a lookup reads the
+  rows it holds and all-reduces them over the vocab axes, in the stored format. The head
+  computes logits (float32) of the last position only (`rows` = the batch): 1d_ws needs
+  nothing more (its residual is whole); 2d_ws all-gathers its input over y*z and
+  reduce-scatters the partial logits over x, which the TPU compiler turns into an all-reduce
+  where a chip's share of the vocabulary is not whole 128-lane tiles; weight-gathered
+  layouts gather the head's weights like a layer's.
+
+  Args:
+    plan, mesh, layout: as `layer_collectives`.
+    tokens: tokens embedded in this pass (B L; B when decoding).
+    rows: positions whose logits are computed (the batch).
+    act_bytes, weight_bytes: bytes per activation element and per stored weight.
+
+  Returns:
+    A list of `Collective`.
+  """
+  m = plan.model
+  e, v = m.d_model, m.vocab
+  out = []
+
+  def add(kind, nbytes, axes, what):
+    out.append(Collective(kind, nbytes, tuple(axes), what))
+
+  if layout.ffn == '1d_ws':  # the residual is whole: the head needs no gather
+    add('all_reduce', tokens * e * weight_bytes, _layouts.AXES, 'embedding rows')
+    return out
+  add('all_reduce', tokens * e / mesh.x * weight_bytes, ('y', 'z'), 'embedding rows')
+  if layout.ffn == '2d_ws':
+    yz = mesh.y * mesh.z
+    add('all_gather', rows * e / mesh.x * act_bytes, ('y', 'z'), 'head input')
+    whole_tiles = v % (yz * mesh.x * LANES) == 0
+    add('reduce_scatter' if whole_tiles else 'all_reduce', rows * v / yz * 4, ('x',), 'logits')
+    return out
+  vocab_axes = tuple(a for a in ('z', 'y') if a not in plan.gather_axes)
+  add('all_gather', m.head_params * weight_bytes / mesh.size(vocab_axes), plan.gather_axes,
+      'head weights')
+  add('all_gather', rows / mesh.size(plan.gather_axes) * e * act_bytes, plan.model_axes,
+      'head input')
+  return out
+
+
+def sent_bytes(c: Collective, mesh: _layouts.Mesh) -> float:
+  """Bytes one chip sends for collective `c`: D (K-1)/K, twice that for an all-reduce."""
+  k = mesh.size(c.axes)
+  if k == 1:
+    return 0.0
+  return (2 if c.kind == 'all_reduce' else 1) * c.nbytes * (k - 1) / k
+
+
 def layer_collectives(plan: _layouts.ShardPlan, mesh: _layouts.Mesh, layout: _layouts.Layout,
                       tokens: int, act_bytes: float, weight_bytes: float) -> list:
   """The collectives of one transformer layer for one forward pass.
@@ -134,25 +189,34 @@ def layer_collectives(plan: _layouts.ShardPlan, mesh: _layouts.Mesh, layout: _la
     for _ in range(pairs):
       add('all_gather', tokens * e / x * act_bytes, ('y', 'z'), 'activations in')
       add('reduce_scatter', tokens * e / x * act_bytes, ('y', 'z'), 'activations out')
-    # mq_heads replicates K and V, so they need an all-reduce rather than a scatter.
-    scattered_kv = 0 if layout.attn == 'mq_heads' else kv_width
+    # Multiquery layouts replicate K and V (their projection is stored E_x only), so their
+    # partial sums need an all-reduce over x rather than a scatter into the heads.
+    scattered_kv = kv_width if layout.attn == 'multihead' else 0
     in_width = (m.n_ffn_matrices - 1) * f + q_width + scattered_kv
     add('reduce_scatter', tokens * in_width / yz * act_bytes, ('x',), 'in-projection sums')
-    if layout.attn == 'mq_heads':
+    if layout.attn != 'multihead':
       add('all_reduce', tokens * kv_width * act_bytes, ('x',), 'k/v sums')
     add('all_gather', tokens * (f + q_width) / yz * act_bytes, ('x',), 'out-projection inputs')
+  elif layout.ffn == '1d_ws':
+    # qjax keeps the residual whole on every chip: one all-reduce per block output, the
+    # bytes of the paper's gather-in + scatter-out (2 B L E (K-1)/K either way).
+    for _ in range(pairs):
+      add('all_reduce', tokens * e * act_bytes, plan.model_axes, 'activations out')
   else:
     n_gather = mesh.size(plan.gather_axes)
-    if plan.gather_axes:
-      add('all_gather', m.layer_params * weight_bytes * n_gather / mesh.n, plan.gather_axes,
-          'weights')
+    # Multiquery K/V projections are stored E_x only (replicated over y*z): gathered whole.
+    kv_proj = 0 if layout.attn == 'multihead' else e * kv_width
+    add('all_gather', ((m.layer_params - kv_proj) * n_gather / mesh.n + kv_proj)
+        * weight_bytes, plan.gather_axes, 'weights')
     for _ in range(pairs):
       add('all_gather', tokens / n_gather * e * act_bytes, plan.model_axes, 'activations in')
       add('reduce_scatter', tokens / n_gather * e * act_bytes, plan.model_axes,
           'activations out')
   if plan.a2a_axes:
-    add('all_to_all', tokens * (q_width + kv_width) * act_bytes / mesh.n, plan.a2a_axes,
-        'q/k/v to batch-sharded')
+    # Only the queries move: K and V are replicated over the head axes, so each chip slices
+    # the rows of its own batch shard.
+    add('all_to_all', tokens * q_width * act_bytes / mesh.n, plan.a2a_axes,
+        'queries to batch-sharded')
     add('all_to_all', tokens * q_width * act_bytes / mesh.n, plan.a2a_axes,
         'attention out to head-sharded')
   return out

@@ -12,6 +12,9 @@ Attention layouts:
                naive multiquery layout, Figure 4b).
   'mq_batch'   Q/K/V moved by all-to-all so attention and the KV cache are split over the
                batch (Figure 4c); the batch group is the largest of x*y*z, y*z, z dividing B.
+               Queries are projected head-split first, so with `pad_heads` heads that do not
+               divide the model axes are padded here too (unpadded otherwise: the paper's
+               count, which qjax's layout cannot run).
 """
 
 from __future__ import annotations
@@ -201,6 +204,10 @@ def shard_plan(model: _models.ModelShape, mesh: Mesh, layout: Layout, batch: int
           f'divisible by {n_head_groups}. Use a mesh whose {"*".join(head_axes)} group '
           f'divides {model.n_heads} ({_divisors_hint(mesh, model.n_heads)}), '
           f"Layout(pad_heads=True) to pad heads as Pope et al. did, or attention 'mq_batch'.")
+    model = model.padded(n_head_groups)
+  if layout.attn == 'mq_batch' and layout.pad_heads and model.n_heads % n_head_groups:
+    # qjax's layout projects queries head-split over every model axis before the all-to-all
+    # moves them to the batch, so the heads must split there too; Pope et al. padded.
     model = model.padded(n_head_groups)
   a2a_axes: tuple = ()
   if layout.attn == 'multihead':

@@ -85,8 +85,15 @@ class ModelShape:
     return self.vocab * self.d_model
 
   def kv_bytes_per_token(self, kv_bits: float = 16) -> float:
-    """KV-cache bytes one token of one sequence occupies over all layers: 2 K H layers b/8."""
-    return 2 * self.n_kv_heads * self.head_dim * self.n_layers * kv_bits / 8
+    """KV-cache bytes one token of one sequence occupies over all layers: 2 K H layers b/8,
+    plus, below 16 bits, one float32 scale per token, kv head and layer for K and for V
+    (qjax's quantized caches)."""
+    return (2 * self.n_kv_heads * self.head_dim * self.n_layers * kv_bits / 8
+            + self.kv_scale_bytes_per_token(kv_bits))
+
+  def kv_scale_bytes_per_token(self, kv_bits: float) -> float:
+    """The float32 scales of a quantized cache: one per token, kv head and layer, K and V."""
+    return 2 * self.n_kv_heads * self.n_layers * 4 if kv_bits < 16 else 0.0
 
   def kv_cache_bytes(self, batch: int, seq_len: int, kv_bits: float = 16) -> float:
     """KV-cache bytes for `batch` sequences of `seq_len` tokens (seed 000, sec. 4.2)."""
@@ -149,7 +156,7 @@ class TotalsShape(ModelShape):
     return self.total_params
 
   def kv_bytes_per_token(self, kv_bits: float = 16) -> float:
-    return self.total_kv_bytes_per_token * kv_bits / 16
+    return self.total_kv_bytes_per_token * kv_bits / 16 + self.kv_scale_bytes_per_token(kv_bits)
 
   def padded(self, multiple: int) -> 'ModelShape':
     return self  # a totals model has no heads to pad: its totals are what they are
@@ -207,6 +214,8 @@ def model_from_spec(spec) -> ModelShape:
 
 # PaLM: Chowdhery et al. 2022, Table 1 (SwiGLU, multiquery, parallel block, shared embeddings,
 # d_ff = 4 d_model, vocab 256k). n_params: 8.63B, 62.50B, 540.35B.
+# Llama 2 13B, Llama 3 8B / 70B: their Hugging Face config.json files (SwiGLU, untied output
+# embedding, serial block; Llama 3 has 8 kv heads (GQA)). n_params: 13.0B, 8.03B, 70.6B.
 # Gemma 3 270M: its GGUF's metadata (as qjax.checkpoints.gguf_config reads it): 18 layers,
 # d_model 640, d_ff 2048 GeGLU, 4 query heads sharing 1 kv head of 256, vocab 262,144,
 # serial block.
@@ -220,6 +229,15 @@ MODELS = {
     'palm_540b': ModelShape('palm_540b', n_layers=118, d_model=18432, d_ff=73728, n_heads=48,
                             head_dim=256, n_kv_heads=1, vocab=256128, glu=True,
                             parallel_block=True),
+    'llama2_13b': ModelShape('llama2_13b', n_layers=40, d_model=5120, d_ff=13824, n_heads=40,
+                             head_dim=128, n_kv_heads=40, vocab=32000, glu=True,
+                             tied_embeddings=False),
+    'llama3_8b': ModelShape('llama3_8b', n_layers=32, d_model=4096, d_ff=14336, n_heads=32,
+                            head_dim=128, n_kv_heads=8, vocab=128256, glu=True,
+                            tied_embeddings=False),
+    'llama3_70b': ModelShape('llama3_70b', n_layers=80, d_model=8192, d_ff=28672, n_heads=64,
+                             head_dim=128, n_kv_heads=8, vocab=128256, glu=True,
+                             tied_embeddings=False),
     'gemma3_270m': ModelShape('gemma3_270m', n_layers=18, d_model=640, d_ff=2048, n_heads=4,
                               head_dim=256, n_kv_heads=1, vocab=262144, glu=True),
 }

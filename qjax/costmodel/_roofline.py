@@ -134,16 +134,25 @@ class LayerCost:
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
-  """HBM bytes per chip: weights, KV cache, and a gathered layer for weight-gathered."""
+  """HBM bytes per chip while a step runs.
+
+  Attributes:
+    weights_bytes: the chip's shard of the weights (replicated K/V projections included).
+    kv_bytes: its shard of the KV cache (int8 caches with their scales).
+    workspace_bytes: weights gathered at once by a weight-gathered layout.
+    capacity_bytes: one chip's HBM.
+    activation_bytes: the step's live activations (`activation_bytes`).
+  """
 
   weights_bytes: float
   kv_bytes: float
   workspace_bytes: float
   capacity_bytes: float
+  activation_bytes: float = 0.0
 
   @property
   def total_bytes(self) -> float:
-    return self.weights_bytes + self.kv_bytes + self.workspace_bytes
+    return self.weights_bytes + self.kv_bytes + self.workspace_bytes + self.activation_bytes
 
   @property
   def fits(self) -> bool:
@@ -165,6 +174,8 @@ class Estimate:
     step_latency_s: one step under the combining rule, plus the step overhead.
     mfu: 2 N tokens / (chips * peak * latency_s), N the unpadded parameter count.
     memory: HBM per chip at the end of the phase.
+    collectives: one layer's collectives per step (`_collectives.layer_collectives`).
+    head_collectives: the embedding's and the output head's (`_collectives.head_collectives`).
   """
 
   model: str
@@ -184,6 +195,18 @@ class Estimate:
   step_latency_s: float
   mfu: float
   memory: Memory
+  collectives: tuple = ()
+  head_collectives: tuple = ()
+
+  @property
+  def comm_bytes(self) -> dict:
+    """{kind: bytes one chip sends per step}: every layer's collectives, the embedding's
+    and the head's (`_collectives.sent_bytes`)."""
+    out: dict = {}
+    for layers, group in ((self.n_layers, self.collectives), (1, self.head_collectives)):
+      for c in group:
+        out[c.kind] = out.get(c.kind, 0.0) + layers * _collectives.sent_bytes(c, self.mesh)
+    return {k: v for k, v in out.items() if v}
 
   def _total(self, field: str) -> float:
     return self.n_layers * getattr(self.layer, field) + getattr(self.head, field)
@@ -287,12 +310,17 @@ def estimate(model, chip, mesh, layout, workload: Workload, phase: str = 'decode
       weight_load_s=m.layer_params * wbytes * n_gather / n / hbm_s,
       kv_load_s=w.batch * kv_moved * kv_token_layer / plan.kv_shards / hbm_s,
       comm_s=comm, n_collectives=n_real)
+  head_colls = _collectives.head_collectives(plan, mesh, layout, w.batch * q_len, w.batch,
+                                             abytes, wbytes)
+  head_comm = sum(_collectives.collective_seconds(c, chip, mesh, interconnect)
+                  for c in head_colls) / efficiency.ici
   head = LayerCost(compute_s=2 * m.head_params * t / n / flops_s,
-                   weight_load_s=m.head_params * wbytes / n / hbm_s, kv_load_s=0.0, comm_s=0.0)
+                   weight_load_s=m.head_params * wbytes / n / hbm_s, kv_load_s=0.0,
+                   comm_s=head_comm)
 
   compute = m.n_layers * layer.compute_s + head.compute_s
   memory = m.n_layers * layer.memory_s + head.memory_s
-  comm_total = m.n_layers * layer.comm_s
+  comm_total = m.n_layers * layer.comm_s + head.comm_s
   if combine == 'serial':
     step = max(compute, memory) + comm_total
   elif combine == 'additive':
@@ -302,11 +330,40 @@ def estimate(model, chip, mesh, layout, workload: Workload, phase: str = 'decode
   step += efficiency.step_overhead_s
   tokens = t * steps
   mfu = _formulas.model_flops_utilization(model.n_params, tokens, n, peak, step * steps)
-  mem = Memory(weights_bytes=m.n_params * wbytes / n,
+  mem = Memory(weights_bytes=_weights_per_chip(m, mesh, layout) * wbytes,
                kv_bytes=w.batch * kv_held * m.kv_bytes_per_token(w.kv_bits) / plan.kv_shards,
-               workspace_bytes=m.layer_params * wbytes * n_gather / n if n_gather > 1 else 0.0,
-               capacity_bytes=chip.hbm_bytes)
+               workspace_bytes=_gathered_weights(plan, mesh, layout) * wbytes,
+               capacity_bytes=chip.hbm_bytes,
+               activation_bytes=0.0)
   return Estimate(model=model.name, chip=chip.name, mesh=mesh, layout=layout, workload=w,
                   phase=phase, interconnect=interconnect, combine=combine, plan=plan,
                   steps=steps, tokens=tokens, n_layers=m.n_layers, layer=layer, head=head,
-                  step_latency_s=step, mfu=mfu, memory=mem)
+                  step_latency_s=step, mfu=mfu, memory=mem, collectives=tuple(collectives),
+                  head_collectives=tuple(head_colls))
+
+
+def _weights_per_chip(m: _models.ModelShape, mesh: _layouts.Mesh,
+                      layout: _layouts.Layout) -> float:
+  """Weights one chip stores (in weights): every matrix split over all chips, except the
+  K/V projections of multiquery layouts, which are replicated over the head axes (whole
+  under 1d_ws, split over x where E is)."""
+  if isinstance(m, _models.TotalsShape) or layout.attn == 'multihead':
+    return m.n_params / mesh.n
+  kv_proj = m.n_layers * m.d_model * 2 * m.n_kv_heads * m.head_dim
+  kv_split = 1 if layout.ffn == '1d_ws' else mesh.x
+  return (m.n_params - kv_proj) / mesh.n + kv_proj / kv_split
+
+
+def _gathered_weights(plan: _layouts.ShardPlan, mesh: _layouts.Mesh,
+                      layout: _layouts.Layout) -> float:
+  """Weights a weight-gathered layout holds gathered at once (in weights): the larger of one
+  layer (its multiquery K/V projections whole) and the output head; 0 for weight-stationary
+  layouts."""
+  n_gather = mesh.size(plan.gather_axes)
+  if n_gather == 1:
+    return 0.0
+  m = plan.model
+  vocab_axes = tuple(a for a in ('z', 'y') if a not in plan.gather_axes)
+  kv_proj = 0 if layout.attn == 'multihead' else m.d_model * 2 * m.n_kv_heads * m.head_dim
+  return max((m.layer_params - kv_proj) * n_gather / mesh.n + kv_proj,
+             m.head_params / mesh.size(vocab_axes))

@@ -11,7 +11,11 @@ Stored weights (so prefill and decode can switch layouts without moving weights)
                         weight-gathered layouts, which gather the *minor* mesh axes of a dim,
                         leave contiguous blocks (wg_xy gathers y: F_zy -> F_z).
 Activations between layers (the residual stream BTD), MLP hidden (BTF), heads:
-  1d_ws   B, E_xyz, F_xyz, heads_xyz.
+  1d_ws   B, E, F_xyz, heads_xyz: the residual stream is whole on every chip (as in Megatron),
+          so a block's input needs no gather and its output projection all-reduces. The
+          bytes are those of Pope et al.'s gather-in / scatter-out of an E_xyz residual, but
+          the TPU compiler all-reduces that gather and scatter too when E / chips is not whole
+          128-lane tiles (PaLM 540B: 18432 / 64 = 288), which doubled them.
   2d_ws   B, E_xzy, F_zyx, heads_zyx: an input all-gathers over zy (-> E_x), a projection
           reduce-scatters its partial sums over x (-> F_zyx), the output projection
           all-gathers x and reduce-scatters over zy.
@@ -54,7 +58,7 @@ def _acts(batch, embed, hidden):
 
 # ffn layout -> (stored weights, gather axes, activations)
 FFN_TABLES = {
-    '1d_ws': (_STORED_1D, (), _acts((), _XYZ, _XYZ)),
+    '1d_ws': (_STORED_1D, (), _acts((), (), _XYZ)),
     '2d_ws': (_STORED_2D, (), _acts((), _XZY, _ZYX)),
     'wg_x': (_STORED_2D, ('x',), _acts(('x',), _ZY, _ZY)),
     'wg_xy': (_STORED_2D, ('x', 'y'), _acts(('x', 'y'), ('z',), ('z',))),

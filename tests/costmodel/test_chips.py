@@ -39,9 +39,9 @@ def test_peak_flops_per_format():
 
 def test_unknown_chip_names_the_valid_presets():
   with pytest.raises(ValueError) as err:
-    costmodel.get_chip('tpu_v6')
+    costmodel.get_chip('tpu_v3')
   message = str(err.value)
-  assert "'tpu_v6'" in message
+  assert "'tpu_v3'" in message
   for name in costmodel.CHIPS:
     assert name in message
   assert "Did you mean 'tpu_v4'" in message or "Did you mean 'tpu_v5" in message

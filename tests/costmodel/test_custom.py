@@ -68,7 +68,7 @@ def test_additive_rule_adds_every_term():
   e = ests['additive']
   compute = e.n_layers * e.layer.compute_s + e.head.compute_s
   memory = e.n_layers * e.layer.memory_s + e.head.memory_s
-  comm = e.n_layers * e.layer.comm_s
+  comm = e.n_layers * e.layer.comm_s + e.head.comm_s
   assert e.step_latency_s == pytest.approx(compute + memory + comm)
   assert ests['overlap'].step_latency_s <= ests['serial'].step_latency_s <= e.step_latency_s
 

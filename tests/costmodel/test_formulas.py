@@ -77,10 +77,15 @@ def test_estimator_collectives_reduce_to_the_paper_formulas():
   for ffn in ('1d_ws', '2d_ws', 'wg_xy'):
     layout = costmodel.Layout(ffn, 'mq_heads')
     plan = costmodel.shard_plan(model, mesh, layout, batch=t)
-    volume[ffn] = sum(c.nbytes for c in costmodel.layer_collectives(plan, mesh, layout, t, 1, 1))
-  assert volume['1d_ws'] == costmodel.comm_1d_ws(t, 1, 1024)
+    # An all-reduce moves what a reduce-scatter and an all-gather of its tensor move.
+    volume[ffn] = sum(c.nbytes * (2 if c.kind == 'all_reduce' else 1)
+                      for c in costmodel.layer_collectives(plan, mesh, layout, t, 1, 1))
+  assert volume['1d_ws'] == costmodel.comm_1d_ws(t, 1, 1024)  # one all-reduce of B L E
   assert volume['2d_ws'] == pytest.approx(
-      costmodel.comm_2d_ws(t, 1, 1024, 4096, 4, 16) + 2 * t * q / 16 + t * kv)
-  attn_weights = model.attn_params_per_layer
+      costmodel.comm_2d_ws(t, 1, 1024, 4096, 4, 16) + 2 * t * q / 16 + 2 * t * kv)
+  # The multiquery K/V projection (E x 2H) is stored E_x only and gathered whole.
+  kv_proj = 1024 * kv
+  attn_weights = model.attn_params_per_layer - kv_proj
   assert volume['wg_xy'] == pytest.approx(
-      costmodel.comm_weight_gathered(t, 1, 1024, 4096, 64, 16) + attn_weights * 16 / 64)
+      costmodel.comm_weight_gathered(t, 1, 1024, 4096, 64, 16) + attn_weights * 16 / 64
+      + kv_proj)

@@ -39,7 +39,7 @@ def test_gemma_config_runs_on_one_h200(tmp_path):
 
 
 def test_bad_config_fails_with_the_fix(tmp_path):
-  out = _run('configs/plan_palm540b.py', f'--config.out_dir={tmp_path}', '--config.chip=tpu_v6')
+  out = _run('configs/plan_palm540b.py', f'--config.out_dir={tmp_path}', '--config.chip=tpu_v3')
   assert out.returncode != 0
   assert "Did you mean 'tpu_v4'" in out.stderr + out.stdout
 

@@ -72,7 +72,7 @@ def test_quantized_cache_bytes_divided_by_the_batch_shards(eight_devices, fmt):
                            costmodel.Workload(batch=lib.B, prompt_len=lib.T,
                                               gen_len=lib.STEPS, kv_bits=bits),
                            phase='decode')
-  assert est.memory.kv_bytes == tokens_heads * code_bytes // 8  # codes only, no scales
+  assert est.memory.kv_bytes == total // 8  # codes and their float32 scales
 
 
 def test_quantized_weight_bytes(eight_devices):
