@@ -111,10 +111,7 @@ class CompiledStep:
     batch, tokens, context: sequences, new tokens per sequence, cache slots.
     weights, kv: the formats.
     n_layers: the model's depth; compiled_layers: the depths compiled.
-    argument_bytes, output_bytes, alias_bytes, temp_bytes: `memory_analysis()` (the TPU's
-      temp includes on-chip scratch).
-    hbm_temp_bytes: the temp held in HBM: `peak_memory_in_bytes` less the arguments and
-      outputs, where the compiler reports a peak; else temp_bytes.
+    argument_bytes, output_bytes, alias_bytes, temp_bytes: `memory_analysis()`.
     weight_bytes, kv_bytes: the state's and the cache's shards (from their shardings).
     comm_bytes: {kind: bytes one chip sends per step} from the compiled HLO (`_hlo`).
     comm_s: those collectives' time on the costmodel chip's interconnect (all links).
@@ -142,7 +139,6 @@ class CompiledStep:
   output_bytes: float
   alias_bytes: float
   temp_bytes: float
-  hbm_temp_bytes: float
   weight_bytes: float
   kv_bytes: float
   comm_bytes: dict
@@ -156,8 +152,8 @@ class CompiledStep:
 
   @property
   def peak_bytes(self) -> float:
-    """HBM one chip holds while the step runs: arguments + outputs - aliased + HBM temp."""
-    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.hbm_temp_bytes
+    """What one chip holds while the step runs: arguments + outputs - aliased + temp."""
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
   @property
   def activation_bytes(self) -> float:
@@ -246,14 +242,8 @@ def _compile_once(cfg, layout, mesh, *, phase, batch, tokens, context, weights, 
   cost = compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   found = _hlo.collectives(compiled.as_text(), mesh)
-  # The TPU compiler's temp includes on-chip scratch (VMEM copies of weight tiles); its peak
-  # is HBM only: what HBM holds beyond the arguments and outputs is peak - those.
-  held = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-  peak = int(getattr(mem, 'peak_memory_in_bytes', 0) or 0)
-  hbm_temp = peak - held if peak > held else mem.temp_size_in_bytes
   return {'argument_bytes': mem.argument_size_in_bytes, 'output_bytes': mem.output_size_in_bytes,
           'alias_bytes': mem.alias_size_in_bytes, 'temp_bytes': mem.temp_size_in_bytes,
-          'hbm_temp_bytes': hbm_temp,
           'weight_bytes': _specs.bytes_per_device(state, state_s),
           'kv_bytes': _specs.bytes_per_device(cache, cache_s),
           'flops': float(cost.get('flops', 0.0)),
@@ -329,11 +319,11 @@ def compile_step(model, layout, slice_name: str, *, phase: str, batch: int, cont
   else:
     (a, b), (da, db) = runs[:2], depths[:2]
     fig = {k: _extrapolate(a[k], b[k], da, db, shape.n_layers) for k in a
-           if k not in ('found', 'compile_s', 'comm_bytes', 'temp_bytes', 'hbm_temp_bytes')}
+           if k not in ('found', 'compile_s', 'comm_bytes', 'temp_bytes')}
     # One step's temporaries do not grow with depth (layers run one after another and
     # reuse them), but a shallow program lets the scheduler prefetch every layer's gathered
     # weights at once: the deeper compile's temp, not an extrapolation.
-    fig['temp_bytes'], fig['hbm_temp_bytes'] = b['temp_bytes'], b['hbm_temp_bytes']
+    fig['temp_bytes'] = b['temp_bytes']
     kinds = set(a['comm_bytes']) | set(b['comm_bytes'])
     fig['comm_bytes'] = {k: _extrapolate(a['comm_bytes'].get(k, 0.0),
                                          b['comm_bytes'].get(k, 0.0), da, db, shape.n_layers)

@@ -105,21 +105,41 @@ def _groups(line: str) -> Optional[list]:
     return _iota(dims, perm).reshape(g, s).tolist()
   m = _MESH.search(line)
   if m:
-    sizes = [(k.strip("'"), int(v)) for k, v in (p.split('=') for p in m.group(1).split(','))]
-    names = [k for k, _ in sizes]
-    along = [names.index(a.strip().strip("'")) for a in m.group(2).split(',') if a.strip()]
-    d = _DEVICE_IDS.search(line)
-    ids = _iota([int(x) for x in d.group(1).split(',')],
-                [int(p) for p in d.group(2).split(',')] if d and d.group(2) else None) \
-        if d else np.arange(int(np.prod([v for _, v in sizes])))
-    ids = ids.reshape([v for _, v in sizes])
-    rest = [i for i in range(len(sizes)) if i not in along]
-    return ids.transpose(rest + along).reshape(-1, int(np.prod(
-        [sizes[i][1] for i in along]) or 1)).tolist()
+    return _mesh_groups(line, m)
   m = _PAIRS.search(line)
   if m:  # a permute: the chips it connects, as groups of pairs
     return [[int(a), int(b)] for a, b in re.findall(r'\{(\d+),(\d+)\}', m.group(1))]
   return None
+
+
+_SUB_AXIS = re.compile(r"'?([\w.]+)'?(?::\((\d+)\)(\d+))?")
+
+
+def _mesh_groups(line: str, m) -> list:
+  """Groups of the `mesh[...] {axes}` form; an axis may be a sub-axis `'a':(p)s` (the s
+  chips after the first p of each block of a's size)."""
+  sizes = [(k.strip().strip("'"), int(v)) for k, v in (p.split('=') for p in m.group(1).split(','))]
+  along = [_SUB_AXIS.fullmatch(a.strip()) for a in m.group(2).split(',') if a.strip()]
+  factors, picked = [], []  # the mesh's axes as (name, pre, size) factors, major first
+  for name, n in sizes:
+    subs = [a for a in along if a.group(1) == name]
+    if subs and subs[0].group(2):
+      pre, size = int(subs[0].group(2)), int(subs[0].group(3))
+      factors += [(name, 'pre', pre), (name, 'sub', size), (name, 'post', n // (pre * size))]
+      picked.append(len(factors) - 2)
+    else:
+      factors.append((name, 'all', n))
+      if subs:
+        picked.append(len(factors) - 1)
+  d = _DEVICE_IDS.search(line)
+  total = int(np.prod([n for _, n in sizes]))
+  ids = _iota([int(x) for x in d.group(1).split(',')],
+              [int(p) for p in d.group(2).split(',')] if d and d.group(2) else None) \
+      if d else np.arange(total)
+  ids = ids.reshape([f[2] for f in factors])
+  rest = [i for i in range(len(factors)) if i not in picked]
+  k = int(np.prod([factors[i][2] for i in picked])) if picked else 1
+  return ids.transpose(rest + picked).reshape(-1, k).tolist()
 
 
 def mesh_groupings(mesh) -> dict:

@@ -85,3 +85,12 @@ def test_replica_group_formats_are_parsed(eight_devices):
   ]
   got = [c.axes for c in sharding.collectives('\n'.join(lines), mesh)]
   assert got == [('x',), YZ, XYZ, ('z',)]
+
+
+def test_sub_axis_replica_groups_are_parsed(eight_devices):
+  # Shardy's sub-axis 'a':(p)s: the s chips after the first p of each block of a's size.
+  mesh = sharding.make_mesh('2x2x2')
+  line = ("a = f32[8] all-reduce(b), replica_groups=mesh['axis_0'=4,'axis_1'=2] "
+          "{'axis_0':(2)2}, to_apply=add")
+  (c,) = sharding.collectives(line, mesh)
+  assert c.axes == ('y',) and c.group_size == 2
