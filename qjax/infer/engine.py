@@ -3,7 +3,11 @@
     engine = Engine(model, EngineConfig(max_batch=8, page_size=16, num_pages=256))
     outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
     for request_id, token in engine.stream(prompts, params): ...
+    engine.cancel(request_id)   # ends it now ('cancelled'), its pages freed
     engine.stats   # steps, prefill tokens computed, compilations, waste, prefix hits
+
+`generate` raises `GenerationError` when a request failed (non-finite logits), carrying
+every prompt's output; the others ran unharmed.
 
 One step is one jitted function of (model state, tokens, cache, last_B, sampling): it runs
 every block against the paged cache (`qjax.infer.paged`), takes each sequence's last fed
