@@ -289,6 +289,13 @@ def _num(x, fmt='{:.3g}') -> str:
   return '-' if x is None else fmt.format(x)
 
 
+def _kernels(report: dict) -> str:
+  """The kernels called, by name and count where the report has names, else by family."""
+  names = report.get('kernel_names') or {}
+  return (', '.join(f'{k} x{n}' if n > 1 else k for k, n in names.items()) or
+          ', '.join(report['kernels']) or '-')
+
+
 def cells(row: dict) -> tuple:
   r = row['report']
   held = row['weight_bytes'] + row['kv_bytes']
@@ -298,7 +305,7 @@ def cells(row: dict) -> tuple:
           _bytes(held or None),
           _num(r['bytes_accessed'] / held if r['bytes_accessed'] and held else None, '{:.2f}x'),
           _num(row['roofline_ms_per_token']), _num(row['estimate_ms_per_token']),
-          _num(row['speedup_vs_bf16'], '{:.2f}x'), ','.join(r['kernels']) or '-',
+          _num(row['speedup_vs_bf16'], '{:.2f}x'), _kernels(r),
           f"{_num(r['compile_s'], '{:.1f}')} ({row['compile_cpu_s']:.1f})")
 
 
@@ -422,6 +429,20 @@ def plot(result: dict, path: str) -> None:
 
 
 # ---------------------------------------------------------------------------- main
+def host_facts() -> str:
+  """This machine as a results line: CPU model, cores, the load when the run began (compile
+  seconds stretch on a busy machine; the CPU seconds beside them do not)."""
+  model = platform.processor() or platform.machine()
+  try:
+    with open('/proc/cpuinfo') as f:
+      model = next((line.split(':', 1)[1].strip() for line in f
+                    if line.startswith('model name')), model)
+  except OSError:
+    pass
+  load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else float('nan')
+  return f'{model}, {os.cpu_count()} CPU cores, load average {load:.1f} at the start'
+
+
 def revision() -> str:
   """The checkout's commit, and whether qjax/ differs from it (results name the code)."""
   git = lambda *a: subprocess.run(['git', '-C', _REPO, *a], capture_output=True, text=True,  # noqa
@@ -441,8 +462,7 @@ def _say(text: str) -> None:
 def run(c, say=_say) -> list:
   """Compile what config `c` names for each of its targets; write and return the results."""
   plan = make_plan(c)
-  host = (f'{platform.machine()} {platform.processor() or platform.system()}, '
-          f'{os.cpu_count()} CPU cores')
+  host = host_facts()
   command = ' '.join(['python -m experiments.aot'] + sys.argv[1:])
   out_root = c.out_dir or os.path.join(_REPO, 'results', 'aot')
   results = []
