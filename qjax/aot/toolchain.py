@@ -2,11 +2,12 @@
 
 Compiling for a TPU or GPU without one needs the compiler that jax would run there: libtpu
 for TPUs, `jax-cuda12-plugin` + `jax-cuda12-pjrt` (or their CUDA 13 builds) for NVIDIA GPUs,
-each of the release the installed jax pins (`requirements`). They are installed into a folder of their own (`pip install --no-deps
---target`), never into the environment: with libtpu importable, every jax process that does
-not set `JAX_PLATFORMS=cpu` tries the TPU backend and takes libtpu's machine-wide lockfile,
-so a second process (a pytest worker) fails. `activate()` reaches them from one process, after
-that process's own backends are up, so nothing else in it sees them.
+each of the release the installed jax pins (`requirements`). They are installed into a
+folder of their own (`pip install --no-deps --target`), never into the environment: with
+libtpu importable, every jax process that does not set `JAX_PLATFORMS=cpu` tries the TPU
+backend and takes libtpu's machine-wide lockfile, so a second process (a pytest worker)
+fails. `activate()` reaches them from one process, after that process's own backends are up,
+so nothing else in it sees them.
 
 Folder: `$QJAX_AOT_TOOLCHAIN`, else `~/.cache/qjax/aot/jax<version>-py<major><minor>` (under
 `$XDG_CACHE_HOME` when set). `python -m qjax.aot.install` installs there.
