@@ -58,7 +58,31 @@ def gather_rows(table_VD, ids_N, *, interpret: Optional[bool] = None):
                      f'and {ids_N.shape}.')
   if interpret is None:
     interpret = qjax_target.current().platform != 'tpu'
-  return _gather(table_VD, ids_N.astype(jnp.int32), interpret=bool(interpret))
+  return _gather_rows(table_VD, ids_N.astype(jnp.int32), bool(interpret))
+
+
+# A pallas_call has no derivative of its own; a gather's is the scatter-add of the rows'
+# cotangents into the table (a training step embeds through this on a TPU).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gather_rows(table_VD, ids_N, interpret: bool):
+  return _gather(table_VD, ids_N, interpret=interpret)
+
+
+def _gather_rows_fwd(table_VD, ids_N, interpret: bool):
+  return _gather(table_VD, ids_N, interpret=interpret), (table_VD, ids_N)
+
+
+def _gather_rows_bwd(interpret: bool, residuals, ct_ND):
+  del interpret
+  table_VD, ids_N = residuals
+  if not jnp.issubdtype(table_VD.dtype, jnp.floating):
+    return None, None  # codes: nothing to differentiate
+  ids = jnp.clip(ids_N, 0, table_VD.shape[0] - 1)
+  d_table = jnp.zeros(table_VD.shape, jnp.float32).at[ids].add(ct_ND.astype(jnp.float32))
+  return d_table.astype(table_VD.dtype), None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=('interpret',))
