@@ -1,0 +1,96 @@
+"""qjax's Pallas kernels as (function, abstract arguments), each called as the library calls it.
+
+* splash: `kernels.splash.splash_attention`, causal or local, grouped heads (TPU, Mosaic).
+* paged_attention: `kernels.paged_attention.paged_attention` over float, int8, fp8 or packed
+  int4 pools (Mosaic on TPU, Triton on NVIDIA GPUs).
+* pallas_qmm: `kernels.pallas_qmm.qmm`, int8 or packed int4 codes, per channel or in groups
+  (Mosaic on TPU, Triton on NVIDIA GPUs).
+* mosaic_rejected: a negative control, a kernel that lowers for TPU but that Mosaic refuses
+  (an (8, 128) -> (64, 16) shape cast its vector layout inference has no rule for): what a
+  compile check must report as not compiled, with the compiler's message.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from qjax.aot._programs import Program
+from qjax.aot import _targets
+from qjax.kernels import paged_attention as pa
+from qjax.kernels import pallas_qmm, splash
+
+_S = jax.ShapeDtypeStruct
+KV_STORAGE = ('bf16', 'int8', 'fp8', 'int4')
+
+
+def paged_backend(target: str) -> str:
+  """The paged kernel's schedule on `target`: 'mosaic' on TPU, 'triton' on NVIDIA."""
+  return 'mosaic' if _targets.spec_of(target).platform == 'tpu' else 'triton'
+
+
+def splash_attention(*, batch: int = 1, length: int = 256, heads: tuple = (4, 2),
+                     head_dim: int = 128, window: Optional[int] = None) -> Program:
+  """Splash attention of a (batch, length) prompt with (query, kv) `heads`, bf16."""
+  n, k = heads
+  q = _S((batch, length, n, head_dim), jnp.bfloat16)
+  kv = _S((batch, length, k, head_dim), jnp.bfloat16)
+  run = lambda q, k, v: splash.splash_attention(q, k, v, window=window)
+  name = f'splash T={length} N={n} K={k} H={head_dim}' + (f' window={window}' if window else '')
+  return Program(name, run, (q, kv, kv), tokens=length)
+
+
+def paged_attention(target: str, kv: str = 'int8', *, batch: int = 8, pages_per_row: int = 16,
+                    page_size: int = 16, heads: tuple = (4, 2), head_dim: int = 128,
+                    window: Optional[int] = None) -> Program:
+  """One decode query per row over `pages_per_row` pages of a pool stored as `kv`
+  ('bf16', 'int8', 'fp8' or packed 'int4' codes with a scale per token and head)."""
+  if kv not in KV_STORAGE:
+    raise ValueError(f'qjax.aot: paged kv {kv!r} is unknown; use one of {KV_STORAGE}.')
+  n, k = heads
+  pages = batch * pages_per_row + 1
+  stored = {'bf16': (jnp.bfloat16, head_dim), 'int8': (jnp.int8, head_dim),
+            'fp8': (jnp.float8_e4m3fn, head_dim), 'int4': (jnp.uint8, head_dim // 2)}[kv]
+  pool = _S((pages, page_size, k, stored[1]), stored[0])
+  scales = None if kv == 'bf16' else _S((pages, page_size, k, 1), jnp.float32)
+  backend = paged_backend(target)
+  ints = lambda *shape: _S(shape, jnp.int32)
+
+  def run(q_BNH, k_pages, v_pages, table, q_pos_B, last_B, k_scales=None, v_scales=None):
+    return pa.paged_attention(q_BNH, k_pages, v_pages, table, q_pos_B, last_B,
+                              k_scales=k_scales, v_scales=v_scales, int4=kv == 'int4',
+                              window=window, backend=backend)
+
+  args = (_S((batch, n, head_dim), jnp.bfloat16), pool, pool, ints(batch, pages_per_row),
+          ints(batch), ints(batch))
+  if scales is not None:
+    args += (scales, scales)
+  return Program(f'paged_attention {backend} kv={kv} B={batch} S={pages_per_row * page_size}',
+                 run, args)
+
+
+def qmm(bits: int, group: Optional[int], *, rows: int = 8, k: int = 512,
+        n: int = 512) -> Program:
+  """`pallas_qmm.qmm` of (rows, k) bf16 activations and a (k, n) weight of `bits` codes,
+  per channel (`group` None) or in groups of `group` rows along k."""
+  g = 1 if group is None else k // group
+  codes = _S((k, n), jnp.int8) if bits == 8 else _S((k, n // 2), jnp.uint8)
+  run = lambda x, w, s: pallas_qmm.qmm(x, w, s, bits=bits)
+  label = 'per channel' if group is None else f'g{group}'
+  return Program(f'pallas_qmm int{bits} {label} M={rows}', run,
+                 (_S((rows, k), jnp.bfloat16), codes, _S((g, n), jnp.float32)))
+
+
+def _shape_cast(x_ref, o_ref):
+  o_ref[...] = x_ref[...].reshape(o_ref.shape)
+
+
+def mosaic_rejected() -> Program:
+  """A Pallas kernel that lowers for TPU but that Mosaic rejects at compile time (its
+  vector layout inference has no (8, 128) -> (64, 16) f32 shape cast): a negative control."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  run = lambda x: pl.pallas_call(_shape_cast, out_shape=_S((64, 16), jnp.float32))(x)
+  return Program('mosaic_rejected (8, 128) -> (64, 16) shape cast', run,
+                 (_S((8, 128), jnp.float32),))

@@ -1,0 +1,139 @@
+"""The serving engine's programs as (function, abstract arguments): its step and its decode
+block, over a paged KV cache built for the target (`qjax.infer`).
+
+* engine_step (`infer.engine._step`): one step at the decode bucket, every row feeding one
+  token (packed (B, 1)), greedy and sampled rows both compiled.
+* engine_block (`infer.engine_block.decode_block`): `block` decode steps of every row in one
+  dispatch, the rows' state on the device.
+
+The pools are sized as `Engine` sizes them (`EngineConfig`: a block table covering `max_len`,
+a ring of pages for sliding-window layers where it is shorter than the table) and stored in
+`kv` (int8 by default: a quantized paged KV). Where the target is one TPU or NVIDIA GPU, the
+decode rows attend through the Pallas paged kernel (`qjax.infer.paged_kernel.attention_form`:
+Mosaic on TPU, Triton on GPU where this jax has it), as the engine would run there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from qjax.aot import _compile
+from qjax.aot._programs import AbstractModel, Program, cache_bytes, compute_bits
+from qjax.infer import engine, engine_block, paged
+from qjax.infer.engine_config import EngineConfig
+from qjax.infer.sampling import SamplingBatch, SamplingParams
+from qjax.nn.decode_core import LoopState
+from qjax.nn.kvcache import check_format
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedShape:
+  """The engine's cache geometry for one model: what `Engine.__init__` derives from its
+  `EngineConfig` (max_pages, ring pages, pool sizes)."""
+
+  max_batch: int
+  page_size: int
+  max_pages: int
+  num_pages: int
+  ring_pages: int
+  num_ring_pages: int
+
+
+def paged_shape(m: AbstractModel, config: EngineConfig) -> PagedShape:
+  """The cache geometry `Engine` builds for `m` under `config` (every row may hold max_len)."""
+  cfg, p = m.config, config.page_size
+  max_len = config.max_len or cfg.max_len
+  max_pages = -(-max_len // p)
+  ring_pages = 0
+  if config.ring and not config.prefix_caching and any(
+      cfg.is_local(i) for i in range(cfg.num_layers)):
+    ring_pages = paged.ring_pages_needed(cfg.sliding_window, p, config.chunk_size)
+    ring_pages = ring_pages if ring_pages < max_pages else 0
+  num_ring = 1 + config.max_batch * ring_pages if ring_pages else 0
+  return PagedShape(config.max_batch, p, max_pages, config.num_pages, ring_pages, num_ring)
+
+
+def default_config(m: AbstractModel, *, max_batch: int = 8, max_len: int = 256,
+                   kv: str = 'int8', block: int = 8) -> EngineConfig:
+  """An `EngineConfig` whose pools hold every row at `max_len` (plus the sink page)."""
+  p = 16
+  pages = max_batch * -(-max_len // p) + 1
+  return EngineConfig(max_batch=max_batch, page_size=p, num_pages=pages, max_len=max_len,
+                      kv_format=kv, decode_block=block)
+
+
+def abstract_cache(m: AbstractModel, config: EngineConfig, *, packed_tokens: int = 0):
+  """The engine's abstract `PagedKVCache` for `m`, built while `m.target` is in force (the
+  pools' code layout is the target's). `packed_tokens` > 0: laid out as the step's decode
+  bucket (`paged.with_step` with seq_of / slot_of of that many tokens, att_width 1)."""
+  cfg, shape = m.config, paged_shape(m, config)
+  fmt = check_format(config.kv_format, cfg.head_dim, 'qjax.aot engine programs: kv')
+  b = shape.max_batch
+
+  def make():
+    cache = paged.init_paged_cache(
+        cfg, num_pages=shape.num_pages, page_size=shape.page_size, batch=b,
+        max_pages=shape.max_pages, ring_pages=shape.ring_pages,
+        num_ring_pages=shape.num_ring_pages, fmt=fmt)
+    if not packed_tokens:
+      return cache
+    n = packed_tokens
+    return dataclasses.replace(cache, seq_of=jnp.zeros((n,), jnp.int32),
+                               slot_of=jnp.zeros((n,), jnp.int32), att_width=1, att_wide=0)
+
+  with _compile.tracing_for(m.target):
+    return jax.eval_shape(make)
+
+
+def _sampling(batch: int):
+  return jax.eval_shape(lambda: SamplingBatch.stack([SamplingParams(temperature=0.0)] * batch))
+
+
+def engine_step(m: AbstractModel, config: EngineConfig) -> Program:
+  """The engine's step at its decode bucket (`Engine.buckets[0]`: max_batch rows of one
+  token each), greedy and sampled rows both compiled (`lax.cond`), no repetition penalty."""
+  b = config.max_batch
+  step = engine._step.__wrapped__  # pylint: disable=protected-access
+  graphdef = m.graphdef
+
+  def run(state, tokens_N1, cache, last_B, params, position_B):
+    return step(graphdef, state, tokens_N1, cache, last_B, params, position_B, None)
+
+  ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  cache = abstract_cache(m, config, packed_tokens=b)
+  return Program(f'engine_step B={b} kv={config.kv_format}', run,
+                 (m.state, ints(b, 1), cache, ints(b), _sampling(b), ints(b)),
+                 donate_argnums=(2,), compute_bits=compute_bits(m.fmt))
+
+
+def engine_decode_block(m: AbstractModel, config: EngineConfig) -> Program:
+  """The engine's decode block: `config.decode_block` steps of every row in one dispatch
+  (`engine_block.decode_block`), its rows' state as the engine keeps it on the device."""
+  b, k = config.max_batch, config.decode_block
+  block_fn = engine_block.decode_block.__wrapped__  # pylint: disable=protected-access
+  graphdef = m.graphdef
+
+  def run(state, cache, rows, params, stop_early):
+    return block_fn(graphdef, state, cache, rows, params, k, stop_early)
+
+  ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  rows = LoopState(tok_B=ints(b), count_B=ints(b), max_B=ints(b), stop_BS=ints(b, 1),
+                   live_B=jax.ShapeDtypeStruct((b,), jnp.bool_))
+  cache = abstract_cache(m, config)
+  return Program(f'engine_block B={b} x{k} kv={config.kv_format}', run,
+                 (m.state, cache, rows, _sampling(b), jax.ShapeDtypeStruct((), jnp.bool_)),
+                 donate_argnums=(1,), compute_bits=compute_bits(m.fmt), tokens=k)
+
+
+def engine_programs(m: AbstractModel, config: EngineConfig = None) -> list[Program]:
+  """The engine's step and decode block for `m` (default: `default_config(m)`)."""
+  config = config or default_config(m)
+  return [engine_step(m, config), engine_decode_block(m, config)]
+
+
+def engine_cache_bytes(m: AbstractModel, config: EngineConfig = None) -> int:
+  """Bytes of the engine's page pools and tables for `m` on its target."""
+  return cache_bytes(abstract_cache(m, config or default_config(m)))
