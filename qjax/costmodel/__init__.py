@@ -22,6 +22,7 @@ from qjax.costmodel._models import MODELS, ModelShape, TotalsShape, get_model, m
 from qjax.costmodel._paper import TABLE1, TABLE2, PaperRow
 from qjax.costmodel._planner import (Plan, all_layouts, max_context_len, mesh_factorizations,
                                      plan)
+from qjax.costmodel._training import TrainMemory, train_memory
 from qjax.costmodel._roofline import (COMBINE_RULES, COMBINE_TEXT, PHASES, Efficiency, Estimate,
                                       LayerCost, Memory, Workload, estimate)
 
@@ -34,5 +35,5 @@ __all__ = [
     'comm_2d_ws_optimal', 'comm_weight_gathered', 'critical_batch', 'estimate', 'get_chip',
     'get_model', 'group_bandwidth', 'layer_collectives', 'max_context_len', 'mesh_factorizations',
     'model_flops_utilization',
-    'optimal_2d_x', 'optimal_gather_n', 'plan', 'shard_plan',
+    'optimal_2d_x', 'optimal_gather_n', 'plan', 'shard_plan', 'TrainMemory', 'train_memory',
 ]

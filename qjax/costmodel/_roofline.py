@@ -141,7 +141,8 @@ class Memory:
     kv_bytes: its shard of the KV cache (int8 caches with their scales).
     workspace_bytes: weights gathered at once by a weight-gathered layout.
     capacity_bytes: one chip's HBM.
-    activation_bytes: the step's live activations (`activation_bytes`).
+    activation_bytes: the step's live activations: one layer's (`_activations`) and the
+      logits (`_logits_bytes`), an estimate.
   """
 
   weights_bytes: float
@@ -334,12 +335,38 @@ def estimate(model, chip, mesh, layout, workload: Workload, phase: str = 'decode
                kv_bytes=w.batch * kv_held * m.kv_bytes_per_token(w.kv_bits) / plan.kv_shards,
                workspace_bytes=_gathered_weights(plan, mesh, layout) * wbytes,
                capacity_bytes=chip.hbm_bytes,
-               activation_bytes=0.0)
+               activation_bytes=_activations(plan, mesh, layout, w, t) * abytes
+               + _logits_bytes(plan, mesh, layout, w.batch))
   return Estimate(model=model.name, chip=chip.name, mesh=mesh, layout=layout, workload=w,
                   phase=phase, interconnect=interconnect, combine=combine, plan=plan,
                   steps=steps, tokens=tokens, n_layers=m.n_layers, layer=layer, head=head,
                   step_latency_s=step, mfu=mfu, memory=mem, collectives=tuple(collectives),
                   head_collectives=tuple(head_colls))
+
+
+def _activations(plan: _layouts.ShardPlan, mesh: _layouts.Mesh, layout: _layouts.Layout,
+                 w: Workload, tokens: int) -> float:
+  """Activation elements one chip holds at once in a step: one layer's residual stream and
+  block output (2 E), queries, keys and values ((N + 2K) H) and the MLP's gate, up and product
+  (3 F), for the tokens of this pass (the batch split over the gathered axes), features split
+  as the layout splits them (1d_ws keeps E whole). Nothing is chunked: a long prefill holds
+  the whole hidden. A decode step holds a few rows of each."""
+  m = plan.model
+  n_gather = mesh.size(plan.gather_axes)
+  model_chips = mesh.n // n_gather
+  e_split = {'1d_ws': 1, '2d_ws': mesh.n}.get(layout.ffn, model_chips)
+  qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
+  return tokens / n_gather * (2 * m.d_model / e_split + (qkv + 3 * m.d_ff) / model_chips)
+
+
+def _logits_bytes(plan: _layouts.ShardPlan, mesh: _layouts.Mesh, layout: _layouts.Layout,
+                  rows: int) -> float:
+  """The last position's float32 logits and their partial sums, vocabulary split as the
+  head splits it (1d_ws: every chip; 2d_ws: y*z, before the reduction over x)."""
+  n_gather = mesh.size(plan.gather_axes)
+  v_split = {'1d_ws': mesh.n, '2d_ws': mesh.y * mesh.z}.get(layout.ffn, mesh.n // n_gather)
+  return 2 * rows / (n_gather if layout.ffn.startswith('wg') else 1) * plan.model.vocab \
+      / v_split * 4
 
 
 def _weights_per_chip(m: _models.ModelShape, mesh: _layouts.Mesh,

@@ -78,7 +78,9 @@ def compiled_shape(model, mesh, layout, batch: int) -> costmodel.ModelShape:
   """The shape compiled for `layout` on `mesh`: serial (`serial_shape`), query heads padded
   where they do not divide the chips they are split over (Pope et al. padded PaLM 540B's 48
   to 64): the layout's head axes (`costmodel.shard_plan`) and, for layouts that store
-  weights E_x F_zy, the z*y the head dim of every projection is stored over.
+  weights E_x F_zy, the z*y the head dim of every projection is stored over; the vocabulary
+  padded to a multiple of the chips, which the logits are split over (PaLM's 256,128 on 256
+  chips: 256,256).
 
   Raises:
     ValueError: the layout cannot shard the model on the mesh (the reason named), e.g. kv
@@ -95,6 +97,8 @@ def compiled_shape(model, mesh, layout, batch: int) -> costmodel.ModelShape:
                        f'{shape.n_kv_heads}, or a multiquery attention layout.')
     if shape.n_heads % zy:
       shape = shape.padded(zy)
+  if shape.vocab % mesh.n:  # the logits are split over every chip
+    shape = dataclasses.replace(shape, vocab=-(-shape.vocab // mesh.n) * mesh.n)
   return shape
 
 
