@@ -2,7 +2,7 @@
 
     JAX_PLATFORMS=cpu python -m benchmarks.qmm_targets [--targets=v5e-1,v6e-1,h200]
         [--formats=bf16,int8,int4,int4_g128,fp8,w8a8] [--batches=1,8] [--layers=2]
-        [--prefill=512] [--mlp] [--json=PATH]
+        [--prefill=512 [--prefill_targets=v5e-1]] [--mlp] [--json=PATH]
 
 For each target (`qjax.aot`: a TPU or GPU this machine does not have), each format
 (`qjax.aot.programs.FORMATS`: every projection and the tied head in the format) builds
@@ -183,15 +183,18 @@ def _row(report, m: programs.AbstractModel, program: str, kv: int, paths_: Optio
 
 
 def compile_with_hlo(fn, args, target: str, name: str, donate=()):
-  """(Report, `hbm_bytes` of its compiled HLO) of one program."""
-  report = aot.compile_for(fn, *args, target=target, program=name, donate_argnums=donate)
-  hbm = {}
-  if report.compiled:
-    with aot.tracing_for(target) as (mesh, _):
+  """(Report, `hbm_bytes` of its compiled HLO) of one program, compiled once."""
+  spec = aot.spec_of(target)
+  with aot.tracing_for(target) as (mesh, _):
+    try:
       compiled = jax.jit(fn, donate_argnums=donate).lower(
           *aot.abstract_args(args, mesh)).compile()
-      hbm = hbm_bytes(compiled.as_text())
-  return report, hbm
+    except Exception as e:  # pylint: disable=broad-except  (the compiler's refusal is the row)
+      return aot.Report(program=name, target=target, error=f'{type(e).__name__}: {e}'), {}
+  report = aot.analyze(compiled, program=name, chip=spec.chip,
+                       devices_per_chip=spec.devices_per_chip)
+  report.target = target
+  return report, hbm_bytes(compiled.as_text())
 
 
 def model_rows(target: str, fmt: str, cfg: TransformerConfig, batches, prefill: int,
@@ -298,15 +301,18 @@ def main(argv=None) -> list[dict]:
   ap.add_argument('--batches', default='1,8')
   ap.add_argument('--layers', type=int, default=2)
   ap.add_argument('--prefill', type=int, default=0)
+  ap.add_argument('--prefill_targets', default=None,
+                  help='targets that compile the prefill too (default: all of --targets)')
   ap.add_argument('--mlp', action='store_true')
   ap.add_argument('--json', default=None)
   a = ap.parse_args(argv)
   cfg = config(a.layers)
   batches = [int(b) for b in a.batches.split(',') if b]
   rows = []
+  prefill_on = (a.prefill_targets or a.targets).split(',')
   for target in a.targets.split(','):
     for fmt in a.formats.split(','):
-      rows += model_rows(target, fmt, cfg, batches, a.prefill)
+      rows += model_rows(target, fmt, cfg, batches, a.prefill if target in prefill_on else 0)
     if a.mlp:
       rows += mlp_rows(target)
   rows = ratios(rows)
