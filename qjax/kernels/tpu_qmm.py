@@ -67,7 +67,7 @@ class Blocks:
 # on v4 and v5e, 256 x 256 on v6e; VMEM is 16 MiB scoped by default on v5e (32 MiB on v6e),
 # and a step's double-buffered blocks (bm x bk activations, bk x bn codes widened to bf16,
 # bm x bn f32 accumulator and output) stay under a quarter of it. Chosen from the TPU rule and
-# memory arithmetic, not measured (no TPU was lent): docs/quantized_matmul.md.
+# memory arithmetic, not measured on a TPU: docs/quantized_matmul.md.
 BLOCKS = (
     ('v6', Blocks(bm=512, bn=1024, bk=1024)),
     ('v5 lite', Blocks(bm=256, bn=512, bk=1024)),
