@@ -209,3 +209,17 @@ def test_pallas_gpu_head_layout_matches_float64(fmt, layout):
   np.testing.assert_allclose(y, _f64('BTD,VD->BTV', x, w), rtol=2e-5, atol=2e-5)
   g128 = _q((384, 256), int_format(4, group_size=128, channel_axes=(0,), group_axis=1), 'native')
   assert _pick('BTD,VD->BTV', (1, 8, 256), g128, H200).path == 'pallas_gpu'
+
+
+def test_int_dot_matches_an_integer_float64_reference():
+  # W8A8 on the whole operands (the path off CPU): per-token int8 activations times the codes
+  w = _q((256, 128), int_format(8, channel_axes=(1,)), 'native')
+  x = jax.random.normal(KEY[0], (1, 3, 256))
+  call = paths.Call.of('BTD,DF->BTF', x, w, 'int')
+  y = paths.int_dot.run(call, x, w, jnp.float32, target=V5E, asked=False)
+  xn = np.asarray(x, np.float64).reshape(3, 256)
+  sx = np.abs(xn).max(1, keepdims=True) / 127.0
+  xq = np.clip(np.round(xn / sx), -127, 127)
+  ref = (xq @ np.asarray(w.codes(), np.float64)) * sx * np.asarray(w.scale, np.float64)
+  np.testing.assert_allclose(np.asarray(y).reshape(3, 128), ref, rtol=1e-5,
+                             atol=1e-5 * np.abs(ref).max())
