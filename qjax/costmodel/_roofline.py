@@ -383,14 +383,17 @@ def _weights_per_chip(m: _models.ModelShape, mesh: _layouts.Mesh,
 
 def _gathered_weights(plan: _layouts.ShardPlan, mesh: _layouts.Mesh,
                       layout: _layouts.Layout) -> float:
-  """Weights a weight-gathered layout holds gathered at once (in weights): the larger of one
-  layer (its multiquery K/V projections whole) and the output head; 0 for weight-stationary
-  layouts."""
+  """Weights a weight-gathered layout holds gathered at once (in weights): each projection
+  gathers its weight just before its product, so the largest one (an MLP matrix, the queries,
+  multiquery K/V whole, or the output head); 0 for weight-stationary layouts."""
   n_gather = mesh.size(plan.gather_axes)
   if n_gather == 1:
     return 0.0
   m = plan.model
   vocab_axes = tuple(a for a in ('z', 'y') if a not in plan.gather_axes)
-  kv_proj = 0 if layout.attn == 'multihead' else m.d_model * 2 * m.n_kv_heads * m.head_dim
-  return max((m.layer_params - kv_proj) * n_gather / mesh.n + kv_proj,
-             m.head_params / mesh.size(vocab_axes))
+  e = m.d_model
+  q = e * m.n_heads * m.head_dim
+  kv = e * 2 * m.n_kv_heads * m.head_dim
+  kv = kv if layout.attn == 'multihead' else kv * mesh.n / n_gather  # stored E_x only
+  largest = max(e * m.d_ff, q, kv) * n_gather / mesh.n
+  return max(largest, m.head_params / mesh.size(vocab_axes))
