@@ -30,6 +30,8 @@ def shared(**fields) -> ml_collections.ConfigDict:
   c.efficiency = ml_collections.ConfigDict(dict(
       flops=1.0, hbm=1.0, ici=1.0, collective_latency_s=0.0, step_overhead_s=0.0))
   c.compare_paper = False
+  c.slice = ''  # a TPU slice ('v5e:2x4', 'v4:4x4x4'): also compile every layout for it
+  c.compile_depths = (1, 2)  # layers compiled and extrapolated from; () compiles them all
   c.out_dir = ''
   c.update(fields)
   return c

@@ -43,5 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.plot_batches = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
   c.compare_paper = True
+  c.slice = ''  # 'v4:4x4x4': also compile every layout for that slice (see the docstring)
+  c.compile_depths = (1, 2)  # layers compiled and extrapolated from; () compiles them all
   c.out_dir = ''  # default results/plan/<name>/
   return c

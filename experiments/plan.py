@@ -2,16 +2,23 @@ r"""Plan transformer inference with the analytic cost model (Pope et al. 2022).
 
   python -m experiments.plan --config=configs/plan_palm540b.py
   python -m experiments.plan --config=configs/plan_gemma3_h200.py --config.n_chips=8
+  python -m experiments.plan --config=configs/plan_palm540b.py --config.slice=v4:4x4x4
 
 For each phase (prefill, decode) and each layout at its best mesh, prints the per-step
 compute / weight-load / KV-load / communication times, the step and total latency, MFU,
 memory per chip, whether it fits and the regime; optionally Table 2 of the paper next to
-the roofline. Writes table.txt and latency_vs_batch.png to --config.out_dir
-(default results/plan/<name>/).
+the roofline. With --config.slice (a TPU slice: 'v4:4x4x4', 'v5e:2x4', 'v5e-8') each
+layout is also compiled for that slice by the TPU compiler (compile-only, nothing runs),
+and a second table puts its compiled memory per chip, whether that fits the chip's HBM,
+its compiled collective bytes and the compiler's roofline beside the prediction. Writes
+table.txt and latency_vs_batch.png to --config.out_dir (default results/plan/<name>/).
 """
 
 import dataclasses
 import os
+
+# The compile-only TPU toolchain must not meet a TPU backend of this process (qjax.aot).
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 from absl import app
 from ml_collections import config_flags
@@ -123,6 +130,33 @@ def phase_table(cfg, phase: str, workload: costmodel.Workload) -> str:
   return '\n'.join(lines)
 
 
+def compiled_table(cfg, phase: str, workload: costmodel.Workload, say=print) -> str:
+  """Each layout compiled for --config.slice beside the cost model (the compiler's figures
+  are its predictions for one chip; no step runs)."""
+  from qjax import sharding  # pylint: disable=g-import-not-at-top  (jax: only with a slice)
+  depths = tuple(cfg.compile_depths) if cfg.compile_depths else None
+  say(f'compiling each layout\'s {phase} step for {cfg.slice} ...')
+  rows = sharding.compare_layouts(_model(cfg), cfg.slice, workload, phase,
+                                  layouts=_layouts(cfg), depths=depths)
+  depth = (f'{"+".join(map(str, depths))} layers compiled, extrapolated to the full depth'
+           if depths else 'the full depth compiled')
+  head = (f'== {phase} on {cfg.slice}: the cost model beside the TPU compiler (compile-only '
+          f'predictions per chip; {depth}; memory = weights + KV + the step\'s activations) ==')
+  done = sharding.compiled_rows(rows)
+  if not done:
+    return '\n'.join([head, sharding.format_rows(rows), 'no layout compiled'])
+  model_best = min(done, key=lambda r: r.estimate.step_latency_s)
+  compiled_best = min(done, key=lambda r: r.compiled_s)
+  agree = 'yes' if sharding.best_agrees(done) else 'NO'
+  seconds = sum(r.compiled.compile_s for r in done)
+  return '\n'.join([
+      head, sharding.format_rows(rows),
+      f'fastest by the cost model: {model_best.layout} on {model_best.compiled.mesh}; by the '
+      f'compiler\'s roofline: {compiled_best.layout} on {compiled_best.compiled.mesh}; the '
+      f'cost model\'s pick within 10% of the compiler\'s best: {agree} ({seconds:.0f} s of '
+      'compiling)'])
+
+
 def paper_table() -> str:
   """Pope et al. Table 2 rows next to the roofline, and the int8 decode saving."""
   rows = [('row', 'measured', 'roofline', 'measured/roofline', 'MFU paper', 'MFU roofline')]
@@ -178,6 +212,23 @@ def plot(cfg, path: str) -> None:
   plt.close(fig)
 
 
+def _check_slice(cfg) -> None:
+  """The slice's chip and chip count must be the config's (raises ValueError naming both)."""
+  from qjax.sharding import _slices  # pylint: disable=g-import-not-at-top
+  s = _slices.parse_slice(cfg.slice)
+  if _chip(cfg).name != s.chip:
+    raise ValueError(f'--config.slice={cfg.slice!r} is made of {s.chip} chips but '
+                     f'--config.chip={_chip(cfg).name!r}; set --config.chip={s.chip}.')
+  if cfg.n_chips != s.n_chips:
+    raise ValueError(f'--config.slice={cfg.slice!r} has {s.n_chips} chips but '
+                     f'--config.n_chips={cfg.n_chips}; set --config.n_chips={s.n_chips}.')
+  for phase in costmodel.PHASES:
+    w = _workload(getattr(cfg, phase))
+    if w.weight_bits not in (8, 16) or w.kv_bits not in (8, 16):
+      raise ValueError(f'--config.{phase}: a slice compiles int8 (8) or bf16 (16) weights and '
+                       f'KV, got weight_bits={w.weight_bits:g}, kv_bits={w.kv_bits:g}.')
+
+
 # ---------------------------------------------------------------------------- main
 def main(argv):
   del argv
@@ -195,6 +246,8 @@ def main(argv):
       raise ValueError(f'--config.mesh={cfg.mesh!r} has {costmodel.as_mesh(cfg.mesh).n} chips '
                        f'but --config.n_chips={cfg.n_chips}; make their product n_chips or '
                        'drop the mesh.')
+    if cfg.get('slice'):
+      _check_slice(cfg)
     if cfg.interconnect not in costmodel.INTERCONNECTS:
       raise ValueError(f'--config.interconnect={cfg.interconnect!r} is unknown; use one of '
                        f'{list(costmodel.INTERCONNECTS)}.')
@@ -204,8 +257,11 @@ def main(argv):
   model, chip = _model(cfg), _chip(cfg)
   os.makedirs(out_dir, exist_ok=True)
 
-  sections = [phase_table(cfg, phase, _workload(getattr(cfg, phase)))
-              for phase in costmodel.PHASES]
+  sections = []
+  for phase in costmodel.PHASES:
+    sections.append(phase_table(cfg, phase, _workload(getattr(cfg, phase))))
+    if cfg.get('slice'):
+      sections.append(compiled_table(cfg, phase, _workload(getattr(cfg, phase))))
   if cfg.compare_paper:
     sections.append(paper_table())
   rule = costmodel.COMBINE_TEXT[cfg.combine]

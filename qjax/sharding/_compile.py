@@ -312,6 +312,9 @@ def compile_step(model, layout, slice_name: str, *, phase: str, batch: int, cont
   chip = costmodel.get_chip(s.chip)
   if depths is None or max(depths) >= shape.n_layers:
     depths = (shape.n_layers,)
+  elif len(depths) != 2 or depths[0] == depths[1]:
+    raise ValueError(f'depths={tuple(depths)!r}: give two depths to extrapolate from (e.g. '
+                     f'(1, 2)), or None to compile all {shape.n_layers} layers.')
   runs = [_compile_once(model_config(shape, d, max(context, 1)), layout, jmesh, phase=phase,
                         batch=batch, tokens=tokens, context=context, weights=weights, kv=kv,
                         compiler_options=compiler_options)

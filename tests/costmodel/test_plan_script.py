@@ -44,6 +44,17 @@ def test_bad_config_fails_with_the_fix(tmp_path):
   assert "Did you mean 'tpu_v4'" in out.stderr + out.stdout
 
 
+def test_a_slice_of_other_chips_fails_with_the_fix(tmp_path):
+  out = _run('configs/plan_palm540b.py', f'--config.out_dir={tmp_path}',
+             '--config.slice=v5e:2x4')
+  assert out.returncode != 0
+  assert 'set --config.chip=tpu_v5e' in out.stderr + out.stdout
+  out = _run('configs/plan_palm540b.py', f'--config.out_dir={tmp_path}',
+             '--config.slice=v4:2x2')
+  assert out.returncode != 0
+  assert 'v4:2x2x2' in out.stderr + out.stdout  # a 3-D torus names three axes
+
+
 def test_costmodel_imports_neither_jax_nor_the_rest_of_qjax():
   # Load qjax.costmodel under a bare parent package so qjax/__init__ (which imports jax via
   # qjax.core) does not run; then nothing may have pulled jax or another subpackage in.
