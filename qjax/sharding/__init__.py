@@ -25,6 +25,7 @@ from qjax.sharding._compare import (Comparison, NotCompiled, best_agrees, best_m
 from qjax.sharding._compare import compiled as compiled_rows
 from qjax.sharding._compile import CompiledStep, compile_step, compiled_shape, model_config
 from qjax.sharding._hlo import Collective, collectives, count_collectives, sent_bytes
+from qjax.sharding._train_compile import TrainStep, compile_train_step
 from qjax.sharding._hooks import LayoutHooks, use_layout
 from qjax.sharding._inference import (PHASES, ShardedTransformer, default_platform_devices,
                                       make_mesh)
@@ -37,7 +38,8 @@ from qjax.sharding._specs import (bytes_per_device, cache_shardings, leaf_mesh_a
 __all__ = [
     'CompiledStep', 'Comparison', 'NotCompiled', 'Slice', 'best_agrees', 'best_meshes',
     'compare', 'compare_layouts', 'compile_step', 'compiled_rows', 'compiled_shape',
-    'format_rows', 'model_config', 'parse_slice', 'slice_devices', 'slice_mesh',
+    'format_rows', 'model_config', 'parse_slice', 'slice_devices', 'slice_mesh', 'TrainStep',
+    'compile_train_step',
     'Collective', 'FFN_TABLES', 'LayoutHooks', 'MESH_AXES', 'PHASES', 'Rules',
     'ShardedTransformer', 'all_layouts', 'bytes_per_device', 'cache_shardings', 'collectives',
     'count_collectives', 'default_platform_devices', 'layout_rules', 'leaf_mesh_axes',
