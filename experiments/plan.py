@@ -136,12 +136,15 @@ def compiled_table(cfg, phase: str, workload: costmodel.Workload, say=print) -> 
   from qjax import sharding  # pylint: disable=g-import-not-at-top  (jax: only with a slice)
   depths = tuple(cfg.compile_depths) if cfg.compile_depths else None
   say(f'compiling each layout\'s {phase} step for {cfg.slice} ...')
-  rows = sharding.compare_layouts(_model(cfg), cfg.slice, workload, phase,
-                                  layouts=_layouts(cfg), depths=depths)
   depth = (f'{"+".join(map(str, depths))} layers compiled, extrapolated to the full depth'
            if depths else 'the full depth compiled')
   head = (f'== {phase} on {cfg.slice}: the cost model beside the TPU compiler (compile-only '
           f'predictions per chip; {depth}; memory = weights + KV + the step\'s activations) ==')
+  try:
+    rows = sharding.compare_layouts(_model(cfg), cfg.slice, workload, phase,
+                                    layouts=_layouts(cfg), depths=depths)
+  except ValueError as e:  # the cost model finds no layout that runs this workload
+    return f'{head}\n  no layout runs: {e}'
   done = sharding.compiled_rows(rows)
   if not done:
     return '\n'.join([head, sharding.format_rows(rows), 'no layout compiled'])
