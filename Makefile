@@ -18,9 +18,13 @@ install: $(BIN)/python
 	$(BIN)/pip install -q -e .
 	-$(BIN)/python -m qjax.kernels.build
 
+# The compile-only TPU/GPU toolchains (libtpu, the CUDA plugin), pinned to the installed jax,
+# in a folder of their own (~/.cache/qjax/aot; qjax.aot.toolchain): tests/aot compiles for a
+# TPU and a GPU with them.
 install-test: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	-$(BIN)/python -m qjax.kernels.build
+	$(BIN)/python -m qjax.aot.install
 
 # Quiet by default (INFO logging off); `make demo DEMO_FLAGS=--verbosity=0` brings it back.
 DEMO_FLAGS ?=
@@ -65,6 +69,7 @@ $(VENV312)/bin/python:
 # subdirectory, the PTQ methods module (where it crashed twice) in its own.
 test-py312: $(VENV312)/bin/python
 	$(VENV312)/bin/pip install -q -e '.[test]'
+	$(VENV312)/bin/python -m qjax.aot.install
 	$(VENV312)/bin/python -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)'
 	QJAX_CPU_KERNEL=0 tests/run_parts.sh $(VENV312)/bin/python -q -n 2 --dist loadscope --max-worker-restart=0 --durations=15
 

@@ -6,7 +6,7 @@
 * pallas_qmm: `kernels.pallas_qmm.qmm`, int8 or packed int4 codes, per channel or in groups
   (Mosaic on TPU, Triton on NVIDIA GPUs).
 * mosaic_rejected: a negative control, a kernel that lowers for TPU but that Mosaic refuses
-  (an (8, 128) -> (64, 16) shape cast its vector layout inference has no rule for): what a
+  (an (8, 130) -> (130, 8) f32 shape cast its vector layout inference has no rule for): what a
   compile check must report as not compiled, with the compiler's message.
 """
 
@@ -44,9 +44,10 @@ def splash_attention(*, batch: int = 1, length: int = 256, heads: tuple = (4, 2)
 
 def paged_attention(target: str, kv: str = 'int8', *, batch: int = 8, pages_per_row: int = 16,
                     page_size: int = 16, heads: tuple = (4, 2), head_dim: int = 128,
-                    window: Optional[int] = None) -> Program:
+                    window: Optional[int] = None, ring: bool = False) -> Program:
   """One decode query per row over `pages_per_row` pages of a pool stored as `kv`
-  ('bf16', 'int8', 'fp8' or packed 'int4' codes with a scale per token and head)."""
+  ('bf16', 'int8', 'fp8' or packed 'int4' codes with a scale per token and head); with
+  `ring`, the pages are a ring holding each row's newest positions (a sliding-window layer)."""
   if kv not in KV_STORAGE:
     raise ValueError(f'qjax.aot: paged kv {kv!r} is unknown; use one of {KV_STORAGE}.')
   n, k = heads
@@ -61,14 +62,15 @@ def paged_attention(target: str, kv: str = 'int8', *, batch: int = 8, pages_per_
   def run(q_BNH, k_pages, v_pages, table, q_pos_B, last_B, k_scales=None, v_scales=None):
     return pa.paged_attention(q_BNH, k_pages, v_pages, table, q_pos_B, last_B,
                               k_scales=k_scales, v_scales=v_scales, int4=kv == 'int4',
-                              window=window, backend=backend)
+                              ring=ring, window=window, backend=backend)
 
   args = (_S((batch, n, head_dim), jnp.bfloat16), pool, pool, ints(batch, pages_per_row),
           ints(batch), ints(batch))
   if scales is not None:
     args += (scales, scales)
-  return Program(f'paged_attention {backend} kv={kv} B={batch} S={pages_per_row * page_size}',
-                 run, args)
+  shape = f'B={batch} S={pages_per_row * page_size} N={n} K={k} H={head_dim}'
+  extra = (f' window={window}' if window else '') + (' ring' if ring else '')
+  return Program(f'paged_attention {backend} kv={kv} {shape}{extra}', run, args)
 
 
 def qmm(bits: int, group: Optional[int], *, rows: int = 8, k: int = 512,
@@ -89,8 +91,9 @@ def _shape_cast(x_ref, o_ref):
 
 def mosaic_rejected() -> Program:
   """A Pallas kernel that lowers for TPU but that Mosaic rejects at compile time (its
-  vector layout inference has no (8, 128) -> (64, 16) f32 shape cast): a negative control."""
+  vector layout inference has no (8, 130) -> (130, 8) f32 shape cast, in libtpu 0.0.42 and
+  0.0.52 alike; 0.0.52 takes (8, 128) -> (64, 16)): a negative control."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
-  run = lambda x: pl.pallas_call(_shape_cast, out_shape=_S((64, 16), jnp.float32))(x)
-  return Program('mosaic_rejected (8, 128) -> (64, 16) shape cast', run,
-                 (_S((8, 128), jnp.float32),))
+  run = lambda x: pl.pallas_call(_shape_cast, out_shape=_S((130, 8), jnp.float32))(x)
+  return Program('mosaic_rejected (8, 130) -> (130, 8) shape cast', run,
+                 (_S((8, 130), jnp.float32),))
