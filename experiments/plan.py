@@ -133,7 +133,7 @@ def phase_table(cfg, phase: str, workload: costmodel.Workload) -> str:
 def compiled_table(cfg, phase: str, workload: costmodel.Workload, say=print) -> str:
   """Each layout compiled for --config.slice beside the cost model (the compiler's figures
   are its predictions for one chip; no step runs)."""
-  from qjax import sharding  # pylint: disable=g-import-not-at-top  (jax: only with a slice)
+  from qjax import aot  # pylint: disable=g-import-not-at-top  (jax: only with a slice)
   depths = tuple(cfg.compile_depths) if cfg.compile_depths else None
   say(f'compiling each layout\'s {phase} step for {cfg.slice} ...')
   depth = (f'{"+".join(map(str, depths))} layers compiled, extrapolated to the full depth'
@@ -141,19 +141,19 @@ def compiled_table(cfg, phase: str, workload: costmodel.Workload, say=print) -> 
   head = (f'== {phase} on {cfg.slice}: the cost model beside the TPU compiler (compile-only '
           f'predictions per chip; {depth}; memory = weights + KV + the step\'s activations) ==')
   try:
-    rows = sharding.compare_layouts(_model(cfg), cfg.slice, workload, phase,
+    rows = aot.compare_layouts(_model(cfg), cfg.slice, workload, phase,
                                     layouts=_layouts(cfg), depths=depths)
   except ValueError as e:  # the cost model finds no layout that runs this workload
     return f'{head}\n  no layout runs: {e}'
-  done = sharding.compiled_rows(rows)
+  done = aot.compiled_rows(rows)
   if not done:
-    return '\n'.join([head, sharding.format_rows(rows), 'no layout compiled'])
+    return '\n'.join([head, aot.format_rows(rows), 'no layout compiled'])
   model_best = min(done, key=lambda r: r.estimate.step_latency_s)
   compiled_best = min(done, key=lambda r: r.compiled_s)
-  agree = 'yes' if sharding.best_agrees(done) else 'NO'
+  agree = 'yes' if aot.best_agrees(done) else 'NO'
   seconds = sum(r.compiled.compile_s for r in done)
   return '\n'.join([
-      head, sharding.format_rows(rows),
+      head, aot.format_rows(rows),
       f'fastest by the cost model: {model_best.layout} on {model_best.compiled.mesh}; by the '
       f'compiler\'s roofline: {compiled_best.layout} on {compiled_best.compiled.mesh}; the '
       f'cost model\'s pick within 10% of the compiler\'s best: {agree} ({seconds:.0f} s of '
@@ -217,7 +217,7 @@ def plot(cfg, path: str) -> None:
 
 def _check_slice(cfg) -> None:
   """The slice's chip and chip count must be the config's (raises ValueError naming both)."""
-  from qjax.sharding import _slices  # pylint: disable=g-import-not-at-top
+  from qjax.aot import _slices  # pylint: disable=g-import-not-at-top
   s = _slices.parse_slice(cfg.slice)
   if _chip(cfg).name != s.chip:
     raise ValueError(f'--config.slice={cfg.slice!r} is made of {s.chip} chips but '

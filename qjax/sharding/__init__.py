@@ -15,31 +15,21 @@ reduce-scatter of activations, all-to-all for batch-sharded multiquery attention
                                mesh)
 
 Layout names and the analytic costs are those of `qjax.costmodel`. For a TPU pod slice this
-machine does not have, `compile_step` compiles a layout's step with the TPU compiler
-(compile-only devices, `_slices`) and `compare_layouts` puts its memory, collective bytes and
-roofline beside the cost model's (docs/costmodel.md).
+machine does not have, `qjax.aot.compile_step` compiles a layout's step with the TPU compiler
+and `qjax.aot.compare_layouts` puts its memory, collective bytes and roofline beside the cost
+model's (docs/costmodel.md).
 """
 
-from qjax.sharding._compare import (Comparison, NotCompiled, best_agrees, best_meshes,
-                                    compare, compare_layouts, format_rows)
-from qjax.sharding._compare import compiled as compiled_rows
-from qjax.sharding._compile import CompiledStep, compile_step, compiled_shape, model_config
 from qjax.sharding._hlo import Collective, collectives, count_collectives, sent_bytes
-from qjax.sharding._train_compile import TrainStep, compile_train_step
 from qjax.sharding._hooks import LayoutHooks, use_layout
 from qjax.sharding._inference import (PHASES, ShardedTransformer, default_platform_devices,
                                       make_mesh)
-from qjax.sharding._slices import Slice, parse_slice, slice_devices, slice_mesh
 from qjax.sharding._rules import (FFN_TABLES, MESH_AXES, Rules, all_layouts, layout_rules,
                                   same_stored_weights, to_spec)
 from qjax.sharding._specs import (bytes_per_device, cache_shardings, leaf_mesh_axes,
                                   qarray_logical, shard_bytes, state_shardings)
 
 __all__ = [
-    'CompiledStep', 'Comparison', 'NotCompiled', 'Slice', 'best_agrees', 'best_meshes',
-    'compare', 'compare_layouts', 'compile_step', 'compiled_rows', 'compiled_shape',
-    'format_rows', 'model_config', 'parse_slice', 'slice_devices', 'slice_mesh', 'TrainStep',
-    'compile_train_step',
     'Collective', 'FFN_TABLES', 'LayoutHooks', 'MESH_AXES', 'PHASES', 'Rules',
     'ShardedTransformer', 'all_layouts', 'bytes_per_device', 'cache_shardings', 'collectives',
     'count_collectives', 'default_platform_devices', 'layout_rules', 'leaf_mesh_axes',

@@ -15,8 +15,8 @@ import dataclasses
 from typing import Optional, Sequence
 
 from qjax import costmodel
-from qjax.sharding import _compile
-from qjax.sharding import _slices
+from qjax.aot import _layout_compile as _compile
+from qjax.aot import _slices
 
 # Targets the comparison is held to (docs/costmodel.md).
 MEMORY_TOLERANCE = 0.10

@@ -24,6 +24,8 @@ import numpy as np
 from jax.sharding import AxisType
 
 from qjax import costmodel
+from qjax.aot import _targets
+from qjax.aot import toolchain
 from qjax.sharding._rules import MESH_AXES
 
 # Generation -> (costmodel chip, torus dims).
@@ -59,7 +61,6 @@ def parse_slice(name: str) -> Slice:
   Raises:
     ValueError: an unknown generation or a malformed name (the accepted forms named).
   """
-  from qjax.aot import _targets  # pylint: disable=g-import-not-at-top  (the aot names)
   spec = _targets.TARGETS.get(name)
   if spec is not None:
     if spec.platform != 'tpu':
@@ -88,7 +89,6 @@ def slice_devices(name: str) -> tuple:
     RuntimeError: the compile-only TPU toolchain is not installed (the command named).
   """
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  from qjax.aot import toolchain  # pylint: disable=g-import-not-at-top
   s = parse_slice(name)
   toolchain.activate('tpu')
   kw = {}

@@ -33,8 +33,8 @@ from qjax import costmodel
 from qjax import target as qjax_target
 from qjax.core import int_format
 from qjax.nn import QuantPolicy, QuantRule, Transformer, apply_fake_quant, shard_hooks
-from qjax.sharding import _compile
-from qjax.sharding import _slices
+from qjax.aot import _layout_compile as _compile
+from qjax.aot import _slices
 from qjax.sharding import _specs
 from qjax.sharding._hooks import LayoutHooks
 from qjax.sharding._rules import layout_rules

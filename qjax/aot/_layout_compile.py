@@ -34,7 +34,7 @@ from qjax.core import int_format
 from qjax.nn import (QuantPolicy, QuantRule, Transformer, TransformerConfig, init_cache,
                      kvcache, quantize_model, shard_hooks, with_kv_format)
 from qjax.sharding import _hlo
-from qjax.sharding import _slices
+from qjax.aot import _slices
 from qjax.sharding import _specs
 from qjax.sharding._hooks import LayoutHooks
 from qjax.sharding._rules import layout_rules

@@ -25,13 +25,13 @@ status = toolchain.status()
 if not status['tpu']:
   print('NO_TOOLCHAIN', status['folder'])
   sys.exit(3)
-from qjax import costmodel, sharding
+from qjax import aot, costmodel
 tiny = costmodel.ModelShape('tiny', n_layers=1, d_model=4096, d_ff=16384, n_heads=32,
                             head_dim=128, n_kv_heads=1, vocab=32768, glu=True)
 w = costmodel.Workload(batch=64, prompt_len=192, gen_len=64, weight_bits=8, kv_bits=8)
 out = {}
 for layout in sys.argv[1:]:
-  r = sharding.compare(tiny, layout, 'v5e:2x4', w, 'decode', mesh='2x2x2', depths=None)
+  r = aot.compare(tiny, layout, 'v5e:2x4', w, 'decode', mesh='2x2x2', depths=None)
   out[layout] = dict(memory=r.memory_ratio, comm=r.comm_ratio, fits=r.compiled.fits,
                      kinds=sorted(r.compiled.comm_bytes), seconds=r.compiled.compile_s)
 print('RESULT', json.dumps(out))
