@@ -19,13 +19,11 @@ KV, a QAT step, and every Pallas kernel qjax ships (`_programs_kernels`), with o
 Mosaic rejects as a negative control.
 
 Scopes. 'full' compiles every model x format x program on every target (277 programs,
-~20 minutes of a 2-core CPU). 'ci' (what `make test` runs, 94 programs, ~4 minutes of a
-2-core CPU) covers every axis without the whole product (`CI_TPU`, `CI_GPU`):
-* on both targets, every format x {prefill, decode B=1, decode B=8} on the Llama shape (the
-  bytes record), every kernel, and each other program at least once;
-* on the TPU, every model x every program but the QAT step: the decode step at B=1 in every
-  format, the others in one quantized format each, rotated so that each format meets several
-  programs.
+~20 minutes of a 2-core CPU). 'ci' (what `make test` runs, 86 programs, ~3 minutes of one
+core) covers every axis without the whole product (`CI_TPU`, `CI_GPU`): on both targets,
+every program on the Llama shape, its decode steps in every format (the bytes record;
+prefill too on the TPU), every kernel and every model; on the TPU, the Qwen3 and Gemma 3
+shapes' decode step in every format and Gemma 3's every program but the QAT step.
 """
 
 from __future__ import annotations
@@ -61,27 +59,32 @@ PREFILL_LEN, CONTEXT, LOOP_STEPS = 128, 64, 4
 CPU_KERNEL = 'qjax_cpu_kernel'  # `_hlo.KERNEL_FAMILIES`: the CPU kernel's custom call
 
 ALL = programs.FORMATS
-# The 'ci' scope: the formats of each (model, program), per target platform. On the TPU every
-# model compiles every program but the QAT step (the Llama shape's only: its splash backward
-# kernels make it the costliest TPU compile), its decode step in every format; the rest
-# rotate formats.
+# The 'ci' scope: the formats of each (model, program), per target platform. Llama-shaped:
+# every program on both targets, the decode steps (and on the TPU prefill) in every format,
+# the others in one format each. Gemma 3: every program but the QAT step on the TPU (its head
+# dim 256, one kv head, local and global layers and ring of pages reach splash and the paged
+# kernel), its decode step in every format. Qwen3 (Llama's shape with q/k norms and a tied
+# head): prefill, and the decode step in every format (the tied head in each format).
+# Quantized formats rotate over the programs compiled once, so each meets several.
 CI_TPU = {
     'llama': {'prefill': ALL, 'decode_b1': ALL, 'decode_b8': ALL, 'decode_loop': ('int4',),
               'engine_step': ('int8',), 'engine_block': ('w8a8',), 'qat_step': ('int4_g128',)},
-    'qwen3': {'prefill': ('int8',), 'decode_b1': ALL, 'decode_b8': ('int4',),
-              'decode_loop': ('fp8',), 'engine_step': ('int4_g128',), 'engine_block': ('int8',)},
+    'qwen3': {'prefill': ('int8',), 'decode_b1': ALL},
     'gemma3': {'prefill': ('int4_g128',), 'decode_b1': ALL, 'decode_b8': ('w8a8',),
-               'decode_loop': ('int8',), 'engine_step': ('w8a8',), 'engine_block': ('int4',)},
+               'decode_loop': ('int8',), 'engine_step': ('fp8',), 'engine_block': ('int4',)},
 }
 # A GPU compile costs this CPU about three TPU ones (XLA's GPU compiler runs Triton and ptxas
-# for each fusion), so the GPU keeps the Llama sweeps, each other program once, and the other
-# models' decode step; Gemma 3's paged geometry (head dim 256, one kv head, a ring of pages)
-# reaches the Triton kernel as a kernel program ('paged int8 H256 ring').
+# for each fusion and each Pallas kernel: an int4 program, whose every projection takes the
+# Triton kernel, costs ~5x a bf16 one), so on the GPU Llama's prefill is compiled only in the
+# formats whose large-M paths differ (bf16, int4 in groups, W8A8's int8 dots), the other
+# models' decode step once, and Gemma 3's paged geometry reaches the Triton kernel as a kernel
+# program.
 CI_GPU = {
-    'llama': {'prefill': ALL, 'decode_b1': ALL, 'decode_b8': ALL, 'decode_loop': ('int4',),
-              'engine_step': ('int8',), 'engine_block': ('w8a8',)},
-    'qwen3': {'decode_b1': ('int4_g128',), 'qat_step': ('w8a8',)},
-    'gemma3': {'prefill': ('int4_g128',), 'decode_b1': ('fp8',)},
+    'llama': {'prefill': ('bf16', 'int4_g128', 'w8a8'), 'decode_b1': ALL, 'decode_b8': ALL,
+              'decode_loop': ('fp8',), 'engine_step': ('int8',), 'engine_block': ('w8a8',),
+              'qat_step': ('int4',)},
+    'qwen3': {'decode_b1': ('int4_g128',)},
+    'gemma3': {'decode_b1': ('int8',)},
 }
 
 

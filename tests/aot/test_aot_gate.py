@@ -46,7 +46,9 @@ def result(tmp_path_factory):
   # device.
   env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='', JAX_DISABLE_MOST_OPTIMIZATIONS='0',
              JAX_ENABLE_COMPILATION_CACHE='false')
-  cmd = [sys.executable, '-m', 'qjax.aot.gate', '--out', str(out),
+  # One thread: the other pytest worker has the other core (two threads measured slower and
+  # costlier beside it); XLA's own threads still use what is idle.
+  cmd = [sys.executable, '-m', 'qjax.aot.gate', '--out', str(out), '--threads', '1',
          '--scope', os.environ.get('QJAX_AOT_GATE_SCOPE', 'ci')]
   run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
   path = out / 'gate.json'
@@ -102,12 +104,13 @@ def test_the_gate_covers_every_model_format_program_and_target(result):
   seen = {(r['job']['target'], r['job']['model'], r['job']['fmt'], r['job']['kind'])
           for r in result['records']}
   for target in gate.TARGETS:
-    assert {k for t, _, _, k in seen if t == target} == set(gate.KINDS) | {'kernel'}
-    for fmt in programs.FORMATS:  # the Llama sweep: the bytes record
-      for kind in ('prefill', 'decode_b1', 'decode_b8'):
+    assert {k for t, m, _, k in seen if t == target and m == 'llama'} == set(gate.KINDS)
+    assert {m for t, m, _, _ in seen if t == target and m} == set(gate.models())
+    for fmt in programs.FORMATS:  # the Llama sweeps: the bytes record
+      for kind in ('decode_b1', 'decode_b8') + (('prefill',) if target == 'v5e-1' else ()):
         assert (target, 'llama', fmt, kind) in seen
-  assert {(m, k) for t, m, _, k in seen if t == 'v5e-1' and m} >= {
-      (m, k) for m in gate.models() for k in gate.KINDS if k != 'qat_step'}
+  assert {k for t, m, _, k in seen if t == 'v5e-1' and m == 'gemma3'} == (
+      set(gate.KINDS) - {'qat_step'})
   assert {(m, f) for t, m, f, k in seen if t == 'v5e-1' and k == 'decode_b1'} == {
       (m, f) for m in gate.models() for f in programs.FORMATS}
   kernels = {r['job']['variant'] for r in _records(result, kind='kernel')}
@@ -142,6 +145,6 @@ def test_bytes_against_bf16_are_recorded_for_every_format(result):
   rows = result['bytes_vs_bf16']
   have = {(r['target'], r['program'], r['format']) for r in rows if r['model'] == 'llama'}
   for target in gate.TARGETS:
-    for kind in ('prefill', 'decode_b1', 'decode_b8'):
+    for kind in ('decode_b1', 'decode_b8') + (('prefill',) if target == 'v5e-1' else ()):
       assert {(target, kind, f) for f in gate.QUANTIZED} <= have
   assert all(r['ratio'] > 0 for r in rows)
