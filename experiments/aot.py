@@ -182,7 +182,7 @@ def _roofline(spec, flops, bytes_, bits) -> float:
 
 
 _LINEAR = ('argument_bytes', 'output_bytes', 'alias_bytes', 'generated_code_bytes', 'flops',
-           'bytes_accessed', 'hlo_bytes')
+           'bytes_accessed', 'hlo_bytes', 'hbm_traffic', 'vmem_prefetch_bytes')
 
 
 def extrapolate(a: aot.Report, b: aot.Report, k: int, depth: int, bits: int) -> aot.Report:
@@ -197,7 +197,7 @@ def extrapolate(a: aot.Report, b: aot.Report, k: int, depth: int, bits: int) -> 
       setattr(r, field, type(va)(va + (vb - va) * (depth - k) / k))
   r.peak_bytes = r.argument_bytes + r.output_bytes - r.alias_bytes + r.temp_bytes
   r.fits = r.peak_bytes <= r.hbm_bytes
-  r.roofline_s = _roofline(aot.spec_of(r.target), r.flops, r.bytes_accessed, bits)
+  r.roofline_s = _roofline(aot.spec_of(r.target), r.flops, aot.roofline_bytes(r), bits)
   return r
 
 
@@ -271,9 +271,9 @@ def attention_note(plan: Plan, target: str) -> str:
 
 
 # ---------------------------------------------------------------------------- table
-COLUMNS = ('program', 'format', 'compiled', 'fits', 'peak/device', 'temp', 'bytes accessed',
-           'weights+KV', 'accessed/(W+KV)', 'roofline ms/token', 'cost model ms/token',
-           'speedup vs bf16', 'kernels', 'compile s (CPU s)')
+COLUMNS = ('program', 'format', 'compiled', 'fits', 'peak/device', 'temp', 'HBM traffic',
+           'XLA bytes accessed', 'weights+KV', 'traffic/(W+KV)', 'roofline ms/token',
+           'cost model ms/token', 'speedup vs bf16', 'kernels', 'compile s (CPU s)')
 
 
 def _bytes(n) -> str:
@@ -301,9 +301,9 @@ def cells(row: dict) -> tuple:
   held = row['weight_bytes'] + row['kv_bytes']
   fits = '-' if r['fits'] is None else ('yes' if r['fits'] else 'NO')
   return (row['program'], row['format'], 'yes' if r['compiled'] else 'NO (below)', fits,
-          _bytes(r['peak_bytes']), _bytes(r['temp_bytes']), _bytes(r['bytes_accessed']),
-          _bytes(held or None),
-          _num(r['bytes_accessed'] / held if r['bytes_accessed'] and held else None, '{:.2f}x'),
+          _bytes(r['peak_bytes']), _bytes(r['temp_bytes']), _bytes(r.get('hbm_traffic')),
+          _bytes(r['bytes_accessed']), _bytes(held or None),
+          _num(r['hbm_traffic'] / held if r.get('hbm_traffic') and held else None, '{:.2f}x'),
           _num(row['roofline_ms_per_token']), _num(row['estimate_ms_per_token']),
           _num(row['speedup_vs_bf16'], '{:.2f}x'), _kernels(r),
           f"{_num(r['compile_s'], '{:.1f}')} ({row['compile_cpu_s']:.1f})")
@@ -312,6 +312,7 @@ def cells(row: dict) -> tuple:
 def header(result: dict) -> list:
   """The lines that say what the table is: target, what the figures are, how they were got."""
   plan, t = result['plan'], result['target']
+  xla_tpu = 'xla' in t['bytes_source'] and t['chip'].startswith('tpu')
   depth = (f"full depth ({plan['layers_total']} layers)" if not plan['layers'] else
            f"compiled at {plan['layers']} and {2 * plan['layers']} layers; arguments, outputs, "
            f"flops and bytes extrapolated linearly to {plan['layers_total']} layers (per-layer "
@@ -320,9 +321,12 @@ def header(result: dict) -> list:
       f"{result['label']} on {t['name']} ({t['device_kind']}, {t['devices']} device(s), "
       f"{_bytes(t['hbm_per_device'])} HBM per device)",
       f'Every figure is {PREDICTION}.',
-      f"Roofline: max(bytes accessed / {t['hbm_bw'] / 1e12:.3g} TB/s, flops / peak) on the "
-      f"{t['chip']} datasheet; bytes from {t['bytes_source']}. Cost model: "
-      'qjax.costmodel.estimate of the same step on one chip.',
+      f"Roofline: max(HBM traffic / {t['hbm_bw'] / 1e12:.3g} TB/s, flops / peak) on the "
+      f"{t['chip']} datasheet. HBM traffic: each op's HBM reads and writes counted once from "
+      "the compiled HLO (qjax.aot.hbm_traffic); XLA bytes accessed: "
+      f"{t['bytes_source']}"
+      f"{' (it counts a weight prefetched into VMEM several times)' if xla_tpu else ''}. "
+      'Cost model: qjax.costmodel.estimate of the same step on one chip.',
       f"Model: {depth}; activations bf16 (int8 in w8a8); decode against {plan['context']} "
       'cached tokens; '
       f"prefill attention here: {result['attention']}.",

@@ -18,7 +18,7 @@ import numpy as np
 
 from qjax import costmodel
 from qjax import target as qjax_target
-from qjax.aot import _hlo
+from qjax.aot import _hbm, _hlo
 from qjax.aot import _targets
 from qjax.aot import toolchain
 
@@ -44,14 +44,18 @@ class Report:
     bytes_accessed: XLA's cost analysis 'bytes accessed' where given, else the module's
       `_hlo.bytes_moved` count; `bytes_source` says which.
     hlo_bytes: `_hlo.bytes_moved` (the same rule on every target).
+    hbm_traffic: the bytes one device reads from and writes to HBM, counted from the compiled
+      HLO (`qjax.aot.hbm_traffic`): each transfer once, where XLA:TPU's 'bytes accessed'
+      counts a weight prefetched into VMEM several times. The roofline's bytes.
+    vmem_prefetch_bytes: bytes XLA:TPU copies into VMEM ahead of their use (0 on a GPU).
     custom_calls: {custom-call target: count} in the compiled module.
     kernels: kernel families present ('mosaic', 'triton', 'cudnn', 'cublas', ...).
     kernel_names: {name: count} of the Pallas / Mosaic / Triton kernels called
       ('splash_mqa_fwd_no_residuals', 'qjax_paged_attention_mosaic', ...).
     collectives: {kind: count} of collective ops in the module.
     compile_s: seconds the lowering and compilation took here.
-    roofline_s: max(bytes over HBM bandwidth, flops over peak): the compiler's bytes and
-      flops on the chip's datasheet roofline (a lower bound on a step's time).
+    roofline_s: max(HBM traffic over HBM bandwidth, flops over peak) on the chip's datasheet
+      (a lower bound on a step's time); XLA's bytes accessed where the traffic is not known.
     estimate_s: the cost model's time for the same step where the caller gave one.
     toolchain: the compile-only toolchain's versions (its manifest).
   """
@@ -73,6 +77,8 @@ class Report:
   bytes_accessed: Optional[float] = None
   bytes_source: Optional[str] = None
   hlo_bytes: Optional[int] = None
+  hbm_traffic: Optional[int] = None
+  vmem_prefetch_bytes: Optional[int] = None
   custom_calls: dict = dataclasses.field(default_factory=dict)
   kernels: list = dataclasses.field(default_factory=list)
   kernel_names: dict = dataclasses.field(default_factory=dict)
@@ -225,10 +231,17 @@ def _fill(report: Report, compiled, spec, compute_bits: float) -> None:
   report.kernel_names = _hlo.kernel_names(text)
   report.collectives = _hlo.collective_counts(text)
   report.hlo_bytes = _hlo.bytes_moved(text)
+  traffic = _hbm.hbm_traffic(text)
+  report.hbm_traffic, report.vmem_prefetch_bytes = traffic['hbm'], traffic['vmem_prefetch']
   cost = _cost(compiled)
   report.flops = float(cost['flops']) if 'flops' in cost else None
   if 'bytes accessed' in cost:
     report.bytes_accessed, report.bytes_source = float(cost['bytes accessed']), 'xla cost analysis'
   else:
     report.bytes_accessed, report.bytes_source = float(report.hlo_bytes), 'hlo ops (upper bound)'
-  report.roofline_s = _roofline(spec, report.flops, report.bytes_accessed, compute_bits)
+  report.roofline_s = _roofline(spec, report.flops, roofline_bytes(report), compute_bits)
+
+
+def roofline_bytes(report: Report) -> Optional[float]:
+  """The bytes a report's roofline reads: its HBM traffic, else XLA's bytes accessed."""
+  return report.bytes_accessed if report.hbm_traffic is None else float(report.hbm_traffic)
