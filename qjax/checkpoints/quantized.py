@@ -264,8 +264,8 @@ def load_quantized(out_dir: str, verify: bool = True):
   layout = record.get('qarray_layout', 1)
   if layout != LAYOUT_VERSION:
     raise ValueError(f'load_quantized: {out_dir!r} stores QArrays in layout version {layout} '
-                     f'(its record\'s qarray_layout; 1 = the rank+1 "grouped view" scales of '
-                     f'qjax < 0.2), but this qjax reads layout {LAYOUT_VERSION} (scales of the '
+                     f'(its record\'s qarray_layout; 1 = the rank+1 "grouped view" scales of an '
+                     f'earlier qjax), but this qjax reads layout {LAYOUT_VERSION} (scales of the '
                      "data's rank). Re-run the conversion with this version of qjax.")
   qmodel = restore_state(out_dir, lambda: skeleton(record))
   if verify:

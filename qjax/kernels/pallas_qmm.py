@@ -18,7 +18,8 @@ rows, the smallest operand Triton's `tl.dot` takes. Block shapes: bn a power of 
 dividing N, bk the group size (or up to 512 rows for per-channel scales). TPU wants multiples
 of 128 in a block's last two dims: groups of 32 or 64 rows do not lower there. Not a default
 path until measured on a device (docs/quantized_matmul.md).
-This module imports nothing from qjax (like the rest of `qjax.kernels`).
+From qjax it imports only `qjax.target` (the platform it lowers for), like the rest of
+`qjax.kernels`.
 """
 
 from __future__ import annotations
