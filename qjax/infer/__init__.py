@@ -28,8 +28,7 @@ from qjax.infer.paged import (POOL_AXES, PagedKVCache, init_paged_cache, ring_pa
 from qjax.infer.page_host import PageAllocator, check_step, read_pages, write_pages
 from qjax.infer.paged import forward as paged_forward
 from qjax.infer.prefix_cache import PrefixCache, block_hashes
-from qjax.infer.scheduler import PREEMPTION_MODES, Scheduler, StepPlan
-from qjax.infer.scheduler import Sequence as SequenceState
+from qjax.infer.scheduler import PREEMPTION_MODES, Scheduler, SequenceState, StepPlan
 from qjax.infer.engine import Engine, EngineConfig, EngineStats
 from qjax.infer.engine_requests import GenerationError
 from qjax.infer.spec_engine import SpeculativeEngine

@@ -59,7 +59,7 @@ from qjax.infer.engine_config import EngineConfig, EngineStats
 from qjax.infer.prefix_cache import PrefixCache
 from qjax.infer.sampling import SamplingBatch, SamplingParams, row_keys, sample
 from qjax.infer.scheduler import Scheduler
-from qjax.infer.scheduler import Sequence as SeqState
+from qjax.infer.scheduler import SequenceState
 from qjax.nn import traces
 from qjax.nn import validate
 from qjax.nn.attention import kv_format
@@ -188,17 +188,17 @@ class Engine(engine_requests.Requests, engine_block.BlockDecoding):
     self.stats = EngineStats()
     self._traces_before = self._traces()
     self._ids = itertools.count()
-    self._seqs: dict[str, SeqState] = {}
+    self._seqs: dict[str, SequenceState] = {}
 
   # ---- swap preemption (the scheduler calls these while it plans a step) ----------------
-  def _swap_out(self, seq: SeqState):
+  def _swap_out(self, seq: SequenceState):
     """Host copy of the pages holding `seq`'s cached positions (and its ring)."""
     pages = seq.pages[:self.scheduler.pages_for(seq.num_cached)]
     host, nbytes = page_host.read_pages(self.cache, pages, seq.ring_pages)
     self.stats.swapped_bytes += nbytes
     return len(pages), host
 
-  def _swap_in(self, seq: SeqState, handle) -> None:
+  def _swap_in(self, seq: SequenceState, handle) -> None:
     n, host = handle
     self.cache = page_host.write_pages(self.cache, seq.pages[:n], seq.ring_pages, host)
 

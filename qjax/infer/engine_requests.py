@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 
 from qjax.infer.sampling import SamplingParams, finish_reason, trim_stop_string
-from qjax.infer.scheduler import Sequence as SeqState
+from qjax.infer.scheduler import SequenceState
 from qjax.nn import validate
 
 
@@ -82,7 +82,7 @@ class Requests:
     self._queue([seq])
     return seq.id
 
-  def _prepare(self, prompt, params, request_id, taken=()) -> SeqState:
+  def _prepare(self, prompt, params, request_id, taken=()) -> SequenceState:
     """A checked request, not queued: raises on bad input (`qjax.nn.validate`) or a request
     that could never fit; `taken` holds ids of requests prepared alongside it."""
     params = SamplingParams(temperature=0.0) if params is None else params
@@ -106,7 +106,7 @@ class Requests:
     if params.stop_strings and self.tokenizer is None:
       raise ValueError(f'request {rid}: stop_strings={params.stop_strings!r} need the output '
                        'text; build the engine with Engine(..., tokenizer=).')
-    seq = SeqState(rid, np.asarray(prompt).tolist(), params.max_tokens, params)
+    seq = SequenceState(rid, np.asarray(prompt).tolist(), params.max_tokens, params)
     self.scheduler.check(seq)  # raises for a request that can never fit
     return seq
 
@@ -115,7 +115,7 @@ class Requests:
       self.scheduler.add(seq)
       self._seqs[seq.id] = seq
 
-  def _finished(self, seq: SeqState) -> bool:
+  def _finished(self, seq: SequenceState) -> bool:
     text = None
     if seq.params.stop_strings and self.tokenizer is not None:
       text = self.tokenizer.decode(seq.output)
@@ -226,7 +226,7 @@ class Requests:
     self.scheduler.cancel(seq)
     return True
 
-  def _seq(self, request_id) -> SeqState:
+  def _seq(self, request_id) -> SequenceState:
     seq = self._seqs.get(str(request_id))
     if seq is None:
       known = sorted(self._seqs)

@@ -40,7 +40,7 @@ from qjax.infer.prefix_cache import PrefixCache
 
 
 @dataclasses.dataclass
-class Sequence:
+class SequenceState:
   """One request's state.
 
   Attributes:
@@ -92,7 +92,7 @@ class Sequence:
 @dataclasses.dataclass
 class StepPlan:
   """What one step computes: per row, the sequence and its number of new tokens."""
-  rows: list[Optional[Sequence]]
+  rows: list[Optional[SequenceState]]
   num_new: list[int]
 
 
@@ -112,8 +112,8 @@ class Scheduler:
                max_len: int, allocator: PageAllocator,
                ring_allocator: Optional[PageAllocator] = None, ring_pages: int = 0,
                prefix_cache: Optional[PrefixCache] = None, preemption: str = 'recompute',
-               swap_out: Optional[Callable[[Sequence], Any]] = None,
-               swap_in: Optional[Callable[[Sequence, Any], None]] = None,
+               swap_out: Optional[Callable[[SequenceState], Any]] = None,
+               swap_in: Optional[Callable[[SequenceState, Any], None]] = None,
                prefill_budget: Optional[int] = None):
     if preemption not in PREEMPTION_MODES:
       raise ValueError(f'Scheduler: preemption={preemption!r} is unknown; use one of '
@@ -128,19 +128,19 @@ class Scheduler:
     self.max_pages, self.max_len = max_pages, max_len
     self.allocator, self.ring_allocator, self.ring_pages = allocator, ring_allocator, ring_pages
     self.prefix_cache = prefix_cache
-    self.waiting: collections.deque[Sequence] = collections.deque()
-    self.running: list[Sequence] = []  # in arrival order
+    self.waiting: collections.deque[SequenceState] = collections.deque()
+    self.running: list[SequenceState] = []  # in arrival order
     self.preemptions = 0
     self._arrivals = 0
 
   # ---- requests ----------------------------------------------------------------------------
-  def add(self, seq: Sequence) -> None:
+  def add(self, seq: SequenceState) -> None:
     """Queue `seq`; raises if it could never fit the context or the pool."""
     self.check(seq)
     seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
     self.waiting.append(seq)
 
-  def check(self, seq: Sequence) -> None:
+  def check(self, seq: SequenceState) -> None:
     """Raise if `seq` could never fit the context or the pool (queues nothing)."""
     total = len(seq.prompt) + seq.max_tokens
     if total > self.max_len:
@@ -175,7 +175,7 @@ class Scheduler:
       return None
     return self.allocator.alloc(n)
 
-  def release(self, seq: Sequence) -> None:
+  def release(self, seq: SequenceState) -> None:
     """Free `seq`'s pages and row (finished or preempted)."""
     if seq.pages:
       self.allocator.free(seq.pages)
@@ -185,7 +185,7 @@ class Scheduler:
     if seq in self.running:
       self.running.remove(seq)
 
-  def _preempt(self, seq: Sequence) -> None:
+  def _preempt(self, seq: SequenceState) -> None:
     if self.preemption == 'swap':
       seq.swapped = self.swap_out(seq)  # before release: the pages still hold its positions
       self.swaps_out += 1
@@ -197,11 +197,11 @@ class Scheduler:
     _insert_by_arrival(self.waiting, seq)
     self.preemptions += 1
 
-  def _younger(self, seq: Sequence) -> list[Sequence]:
+  def _younger(self, seq: SequenceState) -> list[SequenceState]:
     """Running sequences that arrived after `seq` (the ones it may preempt), oldest first."""
     return [s for s in self.running if s.arrival > seq.arrival]
 
-  def _grow(self, seq: Sequence, n: int, preempt_self: bool) -> bool:
+  def _grow(self, seq: SequenceState, n: int, preempt_self: bool) -> bool:
     """Give running `seq` the pages for `n` more positions, preempting younger sequences
     (latest-arrived first) if needed. Without them: False, after preempting `seq` itself
     when `preempt_self`."""
@@ -220,7 +220,7 @@ class Scheduler:
       return False
     return True
 
-  def reserve(self, seq: Sequence, n: int) -> bool:
+  def reserve(self, seq: SequenceState, n: int) -> bool:
     """Pages for `n` more positions of running `seq` (speculative rounds write gamma + 1),
     preempting younger sequences if needed; False (and `seq` kept, unchanged) if it is not
     running or the pool cannot give them."""
@@ -245,7 +245,7 @@ class Scheduler:
       pages = pages[n:]
     return True
 
-  def _admit(self, seq: Sequence, row: int) -> bool:
+  def _admit(self, seq: SequenceState, row: int) -> bool:
     if seq.swapped is not None:
       return self._swap_back(seq, row)
     hit = []
@@ -273,7 +273,7 @@ class Scheduler:
     _insert_by_arrival(self.running, seq)
     return True
 
-  def _swap_back(self, seq: Sequence, row: int) -> bool:
+  def _swap_back(self, seq: SequenceState, row: int) -> bool:
     """Readmit a swapped-out `seq`: fresh pages for its cached positions and next chunk."""
     n = min(self.chunk_size, seq.num_pending)
     ring = []
@@ -329,7 +329,7 @@ class Scheduler:
       if not younger:
         break  # FCFS: later requests wait behind the head
       self._preempt(younger[-1])  # an older request takes its row or pages back
-    rows: list[Optional[Sequence]] = [None] * self.max_batch
+    rows: list[Optional[SequenceState]] = [None] * self.max_batch
     num_new = [0] * self.max_batch
     feeds = self._feeds()  # admissions and preemptions above changed who runs
     for seq in self.running:
@@ -339,7 +339,7 @@ class Scheduler:
       num_new[seq.row] = min(feeds[id(seq)], len(seq.pages) * self.page_size - seq.num_cached)
     return StepPlan(rows, num_new)
 
-  def fail(self, seq: Sequence) -> None:
+  def fail(self, seq: SequenceState) -> None:
     """End running `seq` with finish reason 'error': its logits were not finite."""
     seq.finished, seq.finish_reason = True, 'error'
     seq.error = (f'request {seq.id}: the logits for output token {len(seq.output)} are not '
@@ -347,7 +347,7 @@ class Scheduler:
                  'or compute in float32.')
     self.release(seq)
 
-  def cancel(self, seq: Sequence) -> None:
+  def cancel(self, seq: SequenceState) -> None:
     """End `seq` (waiting, swapped out or running) with finish reason 'cancelled', freeing
     its row and pages."""
     if seq in self.waiting:
@@ -389,7 +389,7 @@ class Scheduler:
     return events
 
 
-def _insert_by_arrival(queue, seq: Sequence) -> None:
+def _insert_by_arrival(queue, seq: SequenceState) -> None:
   """Insert `seq` into `queue` (a list or deque kept in arrival order) at its place."""
   at = next((i for i, s in enumerate(queue) if s.arrival > seq.arrival), len(queue))
   queue.insert(at, seq)
