@@ -175,6 +175,8 @@ class PagedKVCache:
       feeding more (at most `att_wide`) as a (att_wide, att_width) one, and the outputs are
       gathered back. The weights see only the packed tokens, and attention computes no
       chunk-wide row for a decode (such a row costs as much whatever tokens it holds).
+      Where `paged_kernel.attention_form` picks the ragged kernel for the step's widest row
+      (a TPU), every row, decodes and chunks, attends in that one kernel call instead.
     """
     table = self.ring_table if self.ring[layer] else self.block_table
     last_B = self.length + self.num_new - 1  # newest position each row holds
@@ -184,6 +186,12 @@ class PagedKVCache:
     attend_rows = functools.partial(self._attend_rows, layer, window=window,
                                     logit_softcap=logit_softcap)
     n, w, c, b = q_BTNH.shape[0], self.att_width, self.att_wide, table.shape[0]
+    form = paged_kernel.attention_form(self.k[layer], w) if c else None
+    if form is not None and form.kernel == 'ragged':  # every row in one kernel call
+      return paged_kernel.attend_packed(
+          form, self.k[layer], self.v[layer], q_BTNH, table, self.length, self.num_new,
+          self.seq_of, self.slot_of, w, ring=self.ring[layer], window=window,
+          logit_softcap=logit_softcap)
     q_NNH = jnp.concatenate([q_BTNH[:, 0], jnp.zeros_like(q_BTNH[:1, 0])])  # n: empty slot
     start_B = jnp.cumsum(self.num_new) - self.num_new  # row b's first token
     one_B = self.num_new == 1
@@ -207,8 +215,9 @@ class PagedKVCache:
   def _attend_rows(self, layer, q_BTNH, positions_BT, table, last_B, *, window,
                    logit_softcap):
     """`attend` of rows that each read their own `table` row (ring or block table): the
-    paged attention kernel for one query per row where `paged_kernel.attention_form` picks
-    it, else an online softmax over blocks of about KEYS_PER_BLOCK keys (whole pages)."""
+    kernel `paged_kernel.attention_form` picks (the paged one for one query per row, the
+    ragged one for more), else an online softmax over blocks of about KEYS_PER_BLOCK keys
+    (whole pages)."""
     pool_k, pool_v, p = self.k[layer], self.v[layer], self.page_size
     form = paged_kernel.attention_form(pool_k, q_BTNH.shape[1])
     if form.name != 'scan':

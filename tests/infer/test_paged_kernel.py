@@ -42,7 +42,7 @@ def test_attention_form_per_platform_pool_and_override(monkeypatch):
   one = lambda pool, t, on: attention_form(pool, t, on=on, devices=1)
   assert (one(pool, 1, 'nvidia').name, one(pool, 1, 'nvidia').backend) == ('kernel', 'triton')
   assert (one(pool, 1, 'tpu').name, one(pool, 1, 'tpu').backend) == ('kernel', 'mosaic')
-  assert one(pool, 4, 'tpu').name == 'scan'  # a prefill chunk
+  assert one(pool, 4, 'tpu').kernel == 'ragged'  # a prefill chunk: the ragged kernel
   assert 'may be sharded' in attention_form(pool, 1, on='tpu', devices=4).reason
   odd = jnp.zeros((4, 12, 2, 64))
   assert 'powers of two' in one(odd, 1, 'nvidia').reason
