@@ -19,8 +19,7 @@ from qjax.infer.speculative_core import acceptance_prob, expected_tokens_per_pas
 # --- end sampling and speculative decoding ---
 
 # --- engine: blockwise attention, paged KV cache, scheduler, prefix cache (blockwise.py,
-# paged.py, page_host.py, scheduler.py, prefix_cache.py, engine_config.py, engine.py,
-# engine_block.py, spec_engine.py) ---
+# paged.py, page_host.py, scheduler.py, prefix_cache.py, engine_*.py, spec_engine.py) ---
 from qjax.infer.blockwise import (attention_temp_bytes, bucket_perplexity, forward_temp_bytes,
                                   token_nll, with_attention_impl)
 from qjax.infer.paged import (POOL_AXES, PagedKVCache, init_paged_cache, ring_pages_needed,
@@ -28,7 +27,9 @@ from qjax.infer.paged import (POOL_AXES, PagedKVCache, init_paged_cache, ring_pa
 from qjax.infer.page_host import PageAllocator, check_step, read_pages, write_pages
 from qjax.infer.paged import forward as paged_forward
 from qjax.infer.prefix_cache import PrefixCache, block_hashes
-from qjax.infer.scheduler import PREEMPTION_MODES, Scheduler, SequenceState, StepPlan
+from qjax.infer.engine_config import PREEMPTION_MODES
+from qjax.infer.engine_state import SequenceState, StepPlan
+from qjax.infer.scheduler import Scheduler
 from qjax.infer.engine import Engine, EngineConfig, EngineStats
 from qjax.infer.engine_requests import GenerationError
 from qjax.infer.spec_engine import SpeculativeEngine

@@ -7,7 +7,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from qjax.infer.scheduler import PREEMPTION_MODES
+PREEMPTION_MODES = ('recompute', 'swap')  # how a preempted request's cache is restored
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,11 @@
 """The engine's request side: checking and queuing requests, streaming their tokens or text,
-and reading what each produced (`Engine`'s mixin: it uses the engine's scheduler, model,
-tokenizer and `step`).
+and reading what each produced.
+
+`Requests` owns every request's `SequenceState` by id; it reaches the rest of the engine
+through three things it is given: the scheduler (to check, queue and cancel requests), a
+`step()` that runs the engine one step and returns its (request id, token) events, and a
+`settle()` that books what is queued on the device (so that a cancelled request's state is
+final), with `busy()` telling whether steps remain.
 
 Every request is checked when it is added (`qjax.nn.validate` for the token ids, the
 scheduler for a request that could never fit), and a batch is all-or-nothing: one bad
@@ -12,11 +17,12 @@ requests finish cancels them, so they never run inside a later call.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence, Union
+import itertools
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from qjax.infer.sampling import SamplingParams, finish_reason, trim_stop_string
+from qjax.infer.sampling import SamplingParams, trim_stop_string
 from qjax.infer.scheduler import SequenceState
 from qjax.nn import validate
 
@@ -41,8 +47,8 @@ class _Stream:
   """The events of `Engine.stream`; closing or dropping it before the end cancels its
   requests that have not finished (the engine then never runs them for another caller)."""
 
-  def __init__(self, engine, ids):
-    self._engine, self._ids, self._events = engine, ids, engine.run()
+  def __init__(self, requests: 'Requests', ids):
+    self._requests, self._ids, self._events = requests, ids, requests.run()
 
   def __iter__(self):
     return self
@@ -54,8 +60,8 @@ class _Stream:
     """Cancel this stream's unfinished requests."""
     self._events.close()
     for rid in self._ids:
-      if not self._engine._seqs[rid].finished:  # pylint: disable=protected-access
-        self._engine.cancel(rid)
+      if not self._requests.seq(rid).finished:
+        self._requests.cancel(rid)
 
   def __del__(self):
     try:
@@ -65,7 +71,24 @@ class _Stream:
 
 
 class Requests:
-  """Adding requests and reading their outputs (a mixin of `qjax.infer.Engine`)."""
+  """Adding requests and reading their outputs (module docstring).
+
+  Args:
+    scheduler: checks, queues and cancels requests.
+    vocab_size: the model's vocabulary (token ids are checked against it).
+    tokenizer: encodes text prompts and decodes outputs (optional).
+    step: runs one engine step; returns its (request id, token) events.
+    busy: whether steps remain.
+    settle: books a dispatch queued on the device.
+    check: `check(seq)` raises for a request the engine cannot serve (optional).
+  """
+
+  def __init__(self, scheduler, vocab_size: int, tokenizer, *, step: Callable,
+               busy: Callable, settle: Callable, check: Optional[Callable] = None):
+    self.scheduler, self.vocab_size, self.tokenizer = scheduler, vocab_size, tokenizer
+    self._step, self._busy, self._settle, self._check = step, busy, settle, check
+    self._ids = itertools.count()
+    self._seqs: dict[str, SequenceState] = {}
 
   def add_request(self, prompt: Union[str, Sequence[int]],
                   params: Optional[SamplingParams] = None,
@@ -100,7 +123,7 @@ class Requests:
         raise ValueError(f'request {rid}: a text prompt needs Engine(..., tokenizer=).')
       encoded = self.tokenizer.encode(prompt)
       prompt = list(getattr(encoded, 'ids', encoded))  # a `tokenizers` Encoding, or a list
-    vocab = self.model.config.vocab_size
+    vocab = self.vocab_size
     prompt = validate.token_ids(prompt, vocab, f'request {rid}', ndim=1)
     params.check_vocab(vocab)
     if params.stop_strings and self.tokenizer is None:
@@ -108,19 +131,14 @@ class Requests:
                        'text; build the engine with Engine(..., tokenizer=).')
     seq = SequenceState(rid, np.asarray(prompt).tolist(), params.max_tokens, params)
     self.scheduler.check(seq)  # raises for a request that can never fit
+    if self._check is not None:
+      self._check(seq)
     return seq
 
   def _queue(self, seqs) -> None:
     for seq in seqs:
       self.scheduler.add(seq)
       self._seqs[seq.id] = seq
-
-  def _finished(self, seq: SequenceState) -> bool:
-    text = None
-    if seq.params.stop_strings and self.tokenizer is not None:
-      text = self.tokenizer.decode(seq.output)
-    seq.finish_reason = finish_reason(seq.params, seq.output, text)
-    return seq.finish_reason is not None
 
   def stream(self, prompts: Sequence, params=None) -> Iterator[tuple[str, int]]:
     """Queue `prompts` and yield (request id, token) as the steps generate them (other
@@ -162,7 +180,7 @@ class Requests:
     if self.tokenizer is None:
       raise ValueError('Engine.stream_text: build the engine with Engine(..., tokenizer=).')
     rid = self.add_request(prompt, params)
-    seq = self._seqs[rid]
+    seq = self.seq(rid)
     stops = seq.params.stop_strings
     shown = ''
     try:
@@ -184,8 +202,8 @@ class Requests:
 
   def run(self) -> Iterator[tuple[str, int]]:
     """Step until every queued request is done, yielding (request id, token) events."""
-    while self.scheduler.has_work or self._held_events:
-      yield from self.step()
+    while self._busy():
+      yield from self._step()
 
   def generate(self, prompts: Sequence, params=None) -> list[list[int]]:
     """The generated tokens of every prompt (in order), running them as one stream.
@@ -217,16 +235,16 @@ class Requests:
     """End `request_id` now (waiting or running) with finish reason 'cancelled', freeing its
     row and pages; its tokens so far stay readable. Returns False if it had already
     finished."""
-    seq = self._seq(request_id)
-    if not seq.finished and self._inflight is not None:
-      # A block queued on the device holds its row: book it, queueing none behind it.
-      self._held_events += self._run_inflight(queue=False)
+    seq = self.seq(request_id)
+    if not seq.finished:
+      self._settle()  # a dispatch queued on the device may hold its row: book it first
     if seq.finished:
       return False
     self.scheduler.cancel(seq)
     return True
 
-  def _seq(self, request_id) -> SequenceState:
+  def seq(self, request_id) -> SequenceState:
+    """The state of `request_id`; raises KeyError, naming the known ids, for an unknown one."""
     seq = self._seqs.get(str(request_id))
     if seq is None:
       known = sorted(self._seqs)
@@ -237,25 +255,25 @@ class Requests:
 
   def output(self, request_id: str) -> list[int]:
     """Tokens generated so far for `request_id`."""
-    return self._seq(request_id).output
+    return self.seq(request_id).output
 
   def finish_reason(self, request_id: str) -> Optional[str]:
     """'stop', 'length', 'error' (non-finite logits: see `error`), 'cancelled' (`cancel`),
     or None while it runs."""
-    return self._seq(request_id).finish_reason
+    return self.seq(request_id).finish_reason
 
   def error(self, request_id: str) -> Optional[str]:
     """Why `request_id` ended with finish reason 'error', else None."""
-    return self._seq(request_id).error
+    return self.seq(request_id).error
 
   def prefix_hit_tokens(self, request_id: str) -> int:
     """Prompt positions `request_id` took from the prefix cache when last admitted (0: a
     miss, or no prefix caching); a recompute preemption resets it."""
-    return self._seq(request_id).prefix_hit_tokens
+    return self.seq(request_id).prefix_hit_tokens
 
   def logprobs(self, request_id: str) -> list[float]:
     """Model log-probabilities of the generated tokens (requests with `logprobs=True`)."""
-    seq = self._seq(request_id)
+    seq = self.seq(request_id)
     if not seq.params.logprobs:
       raise ValueError(f'request {request_id}: log-probabilities were not requested; pass '
                        'SamplingParams(logprobs=True).')

@@ -14,16 +14,13 @@ waiting requests are not admitted in a step that preempted (as in vLLM: they wou
 pages just freed, or readmit what was just preempted). So the oldest unfinished request is
 never preempted, is running after every `schedule()` and feeds at least one token each step
 (it is grown first and gets the prefill budget first): every request that fits the pool
-alone finishes, and a workload finishes within sum(len(prompt) + max_tokens) steps.
-Preempting by admission order instead let two requests evict each other forever under
-recompute, each readmission making the other one the later admitted.
+alone finishes, and a workload finishes within sum(len(prompt) + max_tokens) steps (by
+admission order instead, two requests could evict each other forever under recompute).
 
-A preempted sequence waits again, in arrival order, with its prompt and the tokens
-generated so far. With `preemption='recompute'` (vLLM's default) it
-recomputes them when readmitted; with `preemption='swap'` the pages holding its cached
-positions are first copied to host memory (`swap_out`) and written back into fresh pages
-when it is readmitted (`swap_in`), so it resumes where it stopped. Either way its output is
-unchanged.
+A preempted sequence waits again, in arrival order, with its prompt and output so far. With
+`preemption='recompute'` (vLLM's default) it recomputes them when readmitted; with 'swap'
+the pages holding its cached positions are copied to host memory (`swap_out`) and written
+back into fresh pages when it is readmitted (`swap_in`). Either way its output is unchanged.
 
 A request that could never run (prompt + max tokens past the context, or more pages than
 the whole pool) is refused when it is added, with the numbers and the fix.
@@ -32,71 +29,15 @@ the whole pool) is refused when it is added, with the numbers and the fix.
 from __future__ import annotations
 
 import collections
-import dataclasses
 from typing import Any, Callable, Optional
 
+import numpy as np
+
+from qjax.infer.engine_booking import book
+from qjax.infer.engine_config import PREEMPTION_MODES
+from qjax.infer.engine_state import SequenceState, StepPlan
 from qjax.infer.page_host import PageAllocator
 from qjax.infer.prefix_cache import PrefixCache
-
-
-@dataclasses.dataclass
-class SequenceState:
-  """One request's state.
-
-  Attributes:
-    id: the request id.
-    prompt: prompt token ids.
-    max_tokens: tokens to generate.
-    params: the request's sampling parameters (opaque here).
-    output: tokens generated so far.
-    num_cached: positions whose K/V are in the cache.
-    pages: block-table pages (logical order); ring_pages: its ring (ring layers).
-    row: the batch row it runs in, or None while waiting.
-    prefix_hit_tokens: prompt positions taken from the prefix cache at admission.
-    swapped: the host copy of its cached pages while it waits swapped out, else None.
-    arrival: its place in arrival order (set by `Scheduler.add`): the priority.
-    finish_reason: 'stop', 'length', 'error' or 'cancelled' once finished, else None.
-    error: why it ended with 'error' (non-finite logits), else None.
-    page_hashes: the prefix cache's chain hashes of its prompt's full pages computed so far
-      (each page is hashed once, not once per chunk).
-  """
-
-  id: str
-  prompt: list[int]
-  max_tokens: int
-  params: Any = None
-  output: list[int] = dataclasses.field(default_factory=list)
-  num_cached: int = 0
-  pages: list[int] = dataclasses.field(default_factory=list)
-  ring_pages: list[int] = dataclasses.field(default_factory=list)
-  row: Optional[int] = None
-  prefix_hit_tokens: int = 0
-  finished: bool = False
-  logprobs: list[float] = dataclasses.field(default_factory=list)
-  swapped: Any = None
-  arrival: int = -1
-  finish_reason: Optional[str] = None
-  error: Optional[str] = None
-  page_hashes: list = dataclasses.field(default_factory=list)  # prefix cache, full pages
-
-  @property
-  def tokens(self) -> list[int]:
-    return self.prompt + self.output
-
-  @property
-  def num_pending(self) -> int:
-    """Tokens known but not yet in the cache (the prompt rest, or the last sampled token)."""
-    return len(self.tokens) - self.num_cached
-
-
-@dataclasses.dataclass
-class StepPlan:
-  """What one step computes: per row, the sequence and its number of new tokens."""
-  rows: list[Optional[SequenceState]]
-  num_new: list[int]
-
-
-PREEMPTION_MODES = ('recompute', 'swap')
 
 
 class Scheduler:
@@ -245,51 +186,39 @@ class Scheduler:
       pages = pages[n:]
     return True
 
+  def _room(self, n: int) -> Optional[tuple[list[int], list[int]]]:
+    """`n` pages and a ring (ring layers), or None (nothing taken) if the pools lack them."""
+    ring = []
+    if self.ring_pages:
+      if self.ring_allocator.num_free < self.ring_pages:
+        return None
+      ring = self.ring_allocator.alloc(self.ring_pages)
+    pages = self._take(n)
+    if pages is None and ring:
+      self.ring_allocator.free(ring)
+    return None if pages is None else (pages, ring)
+
   def _admit(self, seq: SequenceState, row: int) -> bool:
-    if seq.swapped is not None:
-      return self._swap_back(seq, row)
+    """Give waiting `seq` row `row` and the pages of its next chunk (after its cached prefix
+    or, swapped out, its cached positions); False, `seq` unchanged, if they are not free."""
     hit = []
-    if self.prefix_cache is not None and not seq.output:
+    if seq.swapped is None and self.prefix_cache is not None and not seq.output:
       # Leave the prompt's last token to compute: its logits give the first output token.
       hit = self.prefix_cache.match(seq.prompt, (len(seq.prompt) - 1) // self.page_size)
-    seq.pages, seq.num_cached = hit, len(hit) * self.page_size
-    seq.prefix_hit_tokens = seq.num_cached
-    n = min(self.chunk_size, seq.num_pending)
-    extra = self.pages_for(seq.num_cached + n) - len(hit)
-    ring = []
-    if self.ring_pages:
-      if self.ring_allocator.num_free < self.ring_pages:
-        self.release(seq)
-        return False
-      ring = self.ring_allocator.alloc(self.ring_pages)
-    pages = self._take(extra)
-    if pages is None:
-      if ring:
-        self.ring_allocator.free(ring)
-      self.release(seq)
-      seq.num_cached = seq.prefix_hit_tokens = 0
+    cached = seq.num_cached if seq.swapped is not None else len(hit) * self.page_size
+    n = min(self.chunk_size, len(seq.tokens) - cached)
+    room = self._room(self.pages_for(cached + n) - len(hit))
+    if room is None:
+      if hit:
+        self.allocator.free(hit)
       return False
-    seq.pages, seq.ring_pages, seq.row = hit + pages, ring, row
-    _insert_by_arrival(self.running, seq)
-    return True
-
-  def _swap_back(self, seq: SequenceState, row: int) -> bool:
-    """Readmit a swapped-out `seq`: fresh pages for its cached positions and next chunk."""
-    n = min(self.chunk_size, seq.num_pending)
-    ring = []
-    if self.ring_pages:
-      if self.ring_allocator.num_free < self.ring_pages:
-        return False
-      ring = self.ring_allocator.alloc(self.ring_pages)
-    pages = self._take(self.pages_for(seq.num_cached + n))
-    if pages is None:
-      if ring:
-        self.ring_allocator.free(ring)
-      return False
-    seq.pages, seq.ring_pages, seq.row = pages, ring, row
-    self.swap_in(seq, seq.swapped)
-    seq.swapped = None
-    self.swaps_in += 1
+    seq.pages, seq.ring_pages, seq.row = hit + room[0], room[1], row
+    if seq.swapped is not None:  # resume where it stopped
+      self.swap_in(seq, seq.swapped)
+      seq.swapped = None
+      self.swaps_in += 1
+    else:
+      seq.num_cached = seq.prefix_hit_tokens = cached
     _insert_by_arrival(self.running, seq)
     return True
 
@@ -357,36 +286,10 @@ class Scheduler:
     seq.finished, seq.finish_reason = True, 'cancelled'
 
   def complete(self, plan: StepPlan, tokens: list[int], finished) -> list[tuple[str, int]]:
-    """Apply a step's results: positions cached, sampled tokens appended, finished released.
-
-    Args:
-      plan: the step's plan.
-      tokens: the token sampled in each row (ignored for rows still prefilling);
-        `NON_FINITE` (-1) where the row's logits were not finite: that request ends with
-        finish reason 'error' and no token.
-      finished: `finished(seq) -> bool` after a token is appended.
-
-    Returns:
-      (request id, token) of every token generated this step.
-    """
-    events = []
-    for row, (seq, n) in enumerate(zip(plan.rows, plan.num_new)):
-      if seq is None or seq.row != row:
-        continue
-      seq.num_cached += n
-      if self.prefix_cache is not None and not seq.output:
-        done = min(seq.num_cached, len(seq.prompt))
-        seq.page_hashes = self.prefix_cache.insert(seq.prompt[:done], seq.pages,
-                                                   seq.page_hashes)
-      if seq.num_pending == 0 and int(tokens[row]) < 0:  # NON_FINITE: no token to give
-        self.fail(seq)
-      elif seq.num_pending == 0:  # the whole sequence is cached: this row sampled a token
-        seq.output.append(int(tokens[row]))
-        events.append((seq.id, int(tokens[row])))
-        if finished(seq):
-          seq.finished = True
-          self.release(seq)
-    return events
+    """`engine_booking.book` of a step's token per row (`finished(seq) -> bool` after a token
+    is appended); returns (request id, token) of every token generated this step."""
+    return book(self, plan.rows, plan.num_new, np.asarray(tokens).reshape(-1, 1),
+                [int(s is not None) for s in plan.rows], finished)[0]
 
 
 def _insert_by_arrival(queue, seq: SequenceState) -> None:

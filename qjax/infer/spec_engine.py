@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qjax.infer import engine_block, page_host, paged
+from qjax.infer import engine_inputs, paged
 from qjax.infer.engine import Engine, EngineConfig
-from qjax.infer.sampling import SamplingParams, processed_logits, row_keys
+from qjax.infer.sampling import processed_logits, row_keys
 from qjax.infer.speculative import _DRAFT, SpecStats, check_compatible, verify_round
 from qjax.nn import traces
 from qjax.nn import validate
@@ -50,11 +50,12 @@ from qjax.nn.decode_core import LoopState, run_block
 from qjax.nn.model_split import StaticGraphdef, merge
 from qjax.nn.attention import kv_format
 
+FEED, ROUNDS = 'spec_engine.feed', 'spec_engine.rounds'  # trace names (`qjax.nn.traces`)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3,))
 def _feed(dgraph, dstate, tokens_BT, dcache):
-  traces.traced('spec_engine.feed')
+  traces.traced(FEED)
   draft = merge(dgraph, dstate)
   return paged.forward(draft, tokens_BT, dcache)[1]
 
@@ -89,7 +90,7 @@ def _rounds(tgraph, tstate, dgraph, dstate, gamma, rounds, tcache, dcache, loop,
   """Up to `rounds` rounds on `decode_core.run_block`: each row's cached length advances on
   the device by the tokens it accepted. Returns (decoded, tcache, dcache, sums): per-row
   sums of the rounds' statistics (`_round_sums`)."""
-  traces.traced('spec_engine.rounds')
+  traces.traced(ROUNDS)
   target, draft = merge(tgraph, tstate), merge(dgraph, dstate)
   b = loop.tok_B.shape[0]
 
@@ -131,11 +132,114 @@ def _round_sums(num_acc_B, beta_BG, ok_B):
               beta_BG=jnp.where(reached_BG, beta_BG, 0.0))
 
 
-_GREEDY = SamplingParams(temperature=0.0)  # the parameters of an idle row
+class SpeculativeDecoding:
+  """The decode policy of draft-verify rounds for a `Runner` (module docstring).
+
+  Args:
+    runner: the engine's `engine_runner.Runner` (its cache, dispatch, scheduler, booking).
+    draft: the draft `Transformer`; its pools are built here, indexed by the target's
+      block tables.
+    gamma: draft tokens per round.
+    rounds_per_dispatch: the most rounds one dispatch runs.
+    num_pages, page_size, max_batch: the engine's pool geometry.
+  """
+
+  programs = (FEED, ROUNDS)
+  queued = None  # rounds are read at once: nothing is ever queued
+
+  def __init__(self, runner, draft: nnx.Module, *, gamma: int, rounds_per_dispatch: int,
+               num_pages: int, page_size: int, max_batch: int):
+    self.runner, self.gamma, self.rounds_per_dispatch = runner, gamma, rounds_per_dispatch
+    self.dcache = paged.init_paged_cache(
+        draft.config, num_pages=num_pages, page_size=page_size, batch=max_batch,
+        max_pages=runner.max_pages, fmt=kv_format(draft))
+    dgraph, self.dstate = nnx.split(draft)
+    self.dgraph = StaticGraphdef(dgraph)  # hashed once, not on every call
+    self.counts = dict(rounds=0, tokens=0, reached_G=np.zeros(gamma, np.int64),
+                       accepted_G=np.zeros(gamma, np.int64), beta_sum_G=np.zeros(gamma))
+
+  @property
+  def stats(self) -> SpecStats:
+    """Acceptance statistics of the rounds so far (row-rounds; plain steps not counted)."""
+    return SpecStats(gamma=self.gamma, **self.counts)
+
+  def check(self, seq) -> None:
+    """Refuse a request the rounds cannot serve."""
+    if seq.params.repetition_penalty != 1:
+      raise ValueError(f'SpeculativeEngine: repetition_penalty={seq.params.repetition_penalty}'
+                       " is not supported (the penalised distribution would depend on the "
+                       "round's draft tokens); use 1.0.")
+
+  def feed(self, x) -> None:
+    """Feed the draft a plain step's tokens, into the same pages."""
+    layout = x.layout()
+    layout['ring_table'] = np.zeros((len(x.length_B), 0))  # the draft has no ring layers
+    self.dcache = paged.with_step(self.dcache, **layout)
+    self.dcache = _feed(self.dgraph, self.dstate, jnp.asarray(x.tokens_N1), self.dcache)
+
+  def timed(self, started: float, steps: int) -> None:
+    """Step times: not used here."""
+
+  def compile(self, params) -> None:
+    """The rounds compile when first run."""
+
+  def run(self, plan) -> list[tuple[str, int]]:
+    """Rounds when every running request decodes with more than gamma tokens left and its
+    pages can be reserved without preempting; else one plain step."""
+    t0, r = time.perf_counter(), self.runner
+    sched = r.scheduler
+    live = [s for s in plan.rows if s is not None]
+    decoding = bool(live) and all(s.output and s.num_pending == 1 and
+                                  s.max_tokens - len(s.output) > self.gamma for s in live)
+    if decoding:
+      before = sched.preemptions
+      grown = all(sched.reserve(s, self._positions(s)) for s in live)
+      if grown and sched.preemptions == before:
+        r.stats.host_s += time.perf_counter() - t0
+        return self._speculate(plan)
+      plan = sched.schedule()  # someone was preempted: plan again, plainly
+    r.stats.host_s += time.perf_counter() - t0
+    return r.plain(plan)
+
+  def _positions(self, seq) -> int:
+    """Positions `seq` may write in one dispatch: gamma + 1 per round while it has more than
+    gamma tokens left (the loop's `room`), so at most its max_tokens."""
+    return min(self.rounds_per_dispatch * (self.gamma + 1), seq.max_tokens - len(seq.output))
+
+  def _speculate(self, plan) -> list[tuple[str, int]]:
+    t0, r = time.perf_counter(), self.runner
+    rows, g = plan.rows, self.gamma
+    x = engine_inputs.build(rows, [int(s is not None) for s in rows],
+                            max_pages=r.max_pages, ring_width=r.ring_width)
+    engine_inputs.check(rows, [0 if s is None else self._positions(s) for s in rows],
+                        r.page_size, r.max_len)
+    r.cache = paged.with_step(r.cache, x.table_BP, x.ring_BR, x.length_B,
+                              (g + 1) * x.num_new_B)
+    self.dcache = paged.with_step(self.dcache, x.table_BP, np.zeros((len(rows), 0)),
+                                  x.length_B, x.num_new_B)
+    loop = LoopState(**{f: jnp.asarray(v) for f, v in x.loop().items()})
+    params = r.sampling(x.params)
+    r.stats.host_s += time.perf_counter() - t0
+    out, r.cache, self.dcache, sums = r.dispatch(
+        _rounds, r.graphdef, r.state, self.dgraph, self.dstate, g, self.rounds_per_dispatch,
+        r.cache, self.dcache, loop, params)
+    tok_BW, num_B, steps, sums = r.fetch((out.tok_BW, out.num_B, out.steps, sums))
+    t0 = time.perf_counter()
+    c = self.counts
+    for row in range(len(rows)):  # row by row, as one round per step books them
+      c['beta_sum_G'] += sums['beta_BG'][row]
+    c['rounds'] += int(sums['rounds_B'].sum())
+    c['tokens'] += int(sums['tokens_B'].sum())
+    c['reached_G'] += sums['reached_BG'].sum(0)
+    c['accepted_G'] += sums['accepted_BG'].sum(0)
+    events = r.booking.book(rows, [1] * len(rows), tok_BW, num_B, steps=int(steps))
+    r.stats.host_s += time.perf_counter() - t0
+    return events
 
 
 class SpeculativeEngine(Engine):
-  """`Engine` whose decode steps are speculative rounds with `draft` (module docstring)."""
+  """`Engine` whose decode steps are speculative rounds with `draft` (module docstring): the
+  same engine, built with the `SpeculativeDecoding` policy."""
 
   def __init__(self, model: nnx.Module, draft: nnx.Module,
                config: Optional[EngineConfig] = None, tokenizer=None, *, gamma: int = 4,
@@ -151,113 +255,22 @@ class SpeculativeEngine(Engine):
         The rounds, and so the tokens, are those of R = 1 unless pages run short.
     """
     check_compatible(model, draft, gamma)
-    self.rounds_per_dispatch = validate.count(rounds_per_dispatch, 'rounds_per_dispatch',
-                                              'SpeculativeEngine')
+    rounds = validate.count(rounds_per_dispatch, 'rounds_per_dispatch', 'SpeculativeEngine')
     config = EngineConfig() if config is None else config
     if config.preemption != 'recompute':
       raise ValueError(f"SpeculativeEngine: preemption={config.preemption!r}; only "
                        "'recompute' is supported (a swap would have to copy the draft's "
                        'pages too).')
-    super().__init__(model, dataclasses.replace(config, ring=False), tokenizer)
+    config = dataclasses.replace(config, ring=False)
+    super().__init__(model, config, tokenizer, decoding=lambda runner: SpeculativeDecoding(
+        runner, draft, gamma=gamma, rounds_per_dispatch=rounds, num_pages=config.num_pages,
+        page_size=config.page_size, max_batch=config.max_batch))
     if draft.config.max_len < self.max_len:
       raise ValueError(f'SpeculativeEngine: the draft config.max_len={draft.config.max_len} '
                        f'is below the engine max_len={self.max_len}.')
-    self.draft, self.gamma = draft, gamma
-    self.dcache = paged.init_paged_cache(
-        draft.config, num_pages=self.config.num_pages, page_size=self.config.page_size,
-        batch=self.config.max_batch, max_pages=self.max_pages, fmt=kv_format(draft))
-    dgraph, self.dstate = nnx.split(draft)
-    self.dgraph = StaticGraphdef(dgraph)  # hashed once, not on every call
-    self._counts = dict(rounds=0, tokens=0, reached_G=np.zeros(gamma, np.int64),
-                        accepted_G=np.zeros(gamma, np.int64), beta_sum_G=np.zeros(gamma))
+    self.draft, self.gamma, self.rounds_per_dispatch = draft, gamma, rounds
 
   @property
   def spec_stats(self) -> SpecStats:
     """Acceptance statistics of the rounds so far (row-rounds; plain steps not counted)."""
-    return SpecStats(gamma=self.gamma, **self._counts)
-
-  def _prepare(self, prompt, params, request_id, taken=()):
-    seq = super()._prepare(prompt, params, request_id, taken)
-    if seq.params.repetition_penalty != 1:
-      raise ValueError(f'SpeculativeEngine: repetition_penalty={seq.params.repetition_penalty}'
-                       " is not supported (the penalised distribution would depend on the "
-                       "round's draft tokens); use 1.0.")
-    return seq
-
-  def _feed_draft(self, tokens_N1, layout: dict) -> None:
-    no_ring = np.zeros((len(layout['length']), 0))  # the draft's pools have no ring layers
-    self.dcache = paged.with_step(self.dcache, **dict(layout, ring_table=no_ring))
-    self.dcache = _feed(self.dgraph, self.dstate, jnp.asarray(tokens_N1), self.dcache)
-
-  _STEPS = Engine._STEPS + ('spec_engine.feed', 'spec_engine.rounds')
-
-  def step(self) -> list[tuple[str, int]]:
-    t0 = time.perf_counter()
-    plan = self.scheduler.schedule()
-    live = [s for s in plan.rows if s is not None]
-    decoding = bool(live) and all(s.output and s.num_pending == 1 and
-                                  s.max_tokens - len(s.output) > self.gamma for s in live)
-    if decoding:
-      before = self.scheduler.preemptions
-      grown = all(self.scheduler.reserve(s, self._positions(s)) for s in live)
-      if grown and self.scheduler.preemptions == before:
-        self.stats.host_s += time.perf_counter() - t0
-        return self._speculate(plan)
-      plan = self.scheduler.schedule()  # someone was preempted: plan again, plainly
-    self.stats.host_s += time.perf_counter() - t0
-    return self._run_plan(plan)
-
-  def _positions(self, seq) -> int:
-    """Positions `seq` may write in one dispatch: gamma + 1 per round while it has more than
-    gamma tokens left (the loop's `room`), so at most its max_tokens."""
-    return min(self.rounds_per_dispatch * (self.gamma + 1), seq.max_tokens - len(seq.output))
-
-  def _speculate(self, plan) -> list[tuple[str, int]]:
-    t0 = time.perf_counter()
-    rows, g = plan.rows, self.gamma
-    live = [s for s in rows if s is not None]
-    host = engine_block.row_arrays(rows, self.max_pages, self.cache.ring_table.shape[1])
-    page_host.check_step([s.id for s in live], [s.num_cached for s in live],
-                         [self._positions(s) for s in live], [len(s.pages) for s in live],
-                         self.config.page_size, self.max_len)
-    num_new = host['live'].astype(np.int32)
-    self.cache = paged.with_step(self.cache, host['table'], host['ring'], host['length'],
-                                 (g + 1) * num_new)
-    b = len(rows)
-    self.dcache = paged.with_step(self.dcache, host['table'], np.zeros((b, 0)),
-                                  host['length'], num_new)
-    loop = LoopState(*(jnp.asarray(host[k]) for k in ('tok', 'position', 'max', 'stop',
-                                                      'live')))
-    params = self._sampling([s.params if s is not None else _GREEDY for s in rows])
-    self.stats.host_s += time.perf_counter() - t0
-    out, self.cache, self.dcache, sums = self._dispatch(
-        _rounds, self.graphdef, self.state, self.dgraph, self.dstate, g,
-        self.rounds_per_dispatch, self.cache, self.dcache, loop, params)
-    tok_BW, num_B, steps, sums = self._fetch((out.tok_BW, out.num_B, out.steps, sums))
-    t0 = time.perf_counter()
-    c = self._counts
-    for row in range(b):  # row by row, as one round per step books them
-      c['beta_sum_G'] += sums['beta_BG'][row]
-    c['rounds'] += int(sums['rounds_B'].sum())
-    c['tokens'] += int(sums['tokens_B'].sum())
-    c['reached_G'] += sums['reached_BG'].sum(0)
-    c['accepted_G'] += sums['accepted_BG'].sum(0)
-    self.stats.steps += int(steps)
-    self.stats.decode_tokens += int(sums['rounds_B'].sum())
-    events = []
-    for row, seq in enumerate(rows):
-      if seq is None:
-        continue
-      for tok in tok_BW[row, :num_B[row]].tolist():
-        if tok < 0:  # non-finite logits: end it as the plain step does
-          self.scheduler.fail(seq)
-          break
-        seq.num_cached += 1
-        seq.output.append(tok)
-        events.append((seq.id, tok))
-        if self._finished(seq):
-          seq.finished = True
-          self.scheduler.release(seq)
-          break
-    self.stats.host_s += time.perf_counter() - t0
-    return events
+    return self.policy.stats
