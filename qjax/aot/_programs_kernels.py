@@ -3,6 +3,8 @@
 * splash: `kernels.splash.splash_attention`, causal or local, grouped heads (TPU, Mosaic).
 * paged_attention: `kernels.paged_attention.paged_attention` over float, int8, fp8 or packed
   int4 pools (Mosaic on TPU, Triton on NVIDIA GPUs).
+* ragged_paged_attention: `kernels.ragged_paged.ragged_paged_attention`, a serving step's rows
+  of one and several queries over their pages in one call (Mosaic, TPU only).
 * pallas_qmm: `kernels.pallas_qmm.qmm`, int8 or packed int4 codes, per channel or in groups
   (Mosaic on TPU, Triton on NVIDIA GPUs).
 * mosaic_rejected: a negative control, a kernel that lowers for TPU but that Mosaic refuses
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 from qjax.aot._programs import Program
 from qjax.aot import _targets
 from qjax.kernels import paged_attention as pa
-from qjax.kernels import pallas_qmm, splash
+from qjax.kernels import pallas_qmm, ragged_paged, splash
 
 _S = jax.ShapeDtypeStruct
 KV_STORAGE = ('bf16', 'int8', 'fp8', 'int4')
@@ -42,6 +44,14 @@ def splash_attention(*, batch: int = 1, length: int = 256, heads: tuple = (4, 2)
   return Program(name, run, (q, kv, kv), tokens=length)
 
 
+def _pool(kv: str, pages: int, page_size: int, k: int, head_dim: int):
+  """A page pool stored as `kv` and its per-token scales (None for bf16), abstract."""
+  stored = {'bf16': (jnp.bfloat16, head_dim), 'int8': (jnp.int8, head_dim),
+            'fp8': (jnp.float8_e4m3fn, head_dim), 'int4': (jnp.uint8, head_dim // 2)}[kv]
+  pool = _S((pages, page_size, k, stored[1]), stored[0])
+  return pool, None if kv == 'bf16' else _S((pages, page_size, k, 1), jnp.float32)
+
+
 def paged_attention(target: str, kv: str = 'int8', *, batch: int = 8, pages_per_row: int = 16,
                     page_size: int = 16, heads: tuple = (4, 2), head_dim: int = 128,
                     window: Optional[int] = None, ring: bool = False) -> Program:
@@ -51,11 +61,7 @@ def paged_attention(target: str, kv: str = 'int8', *, batch: int = 8, pages_per_
   if kv not in KV_STORAGE:
     raise ValueError(f'qjax.aot: paged kv {kv!r} is unknown; use one of {KV_STORAGE}.')
   n, k = heads
-  pages = batch * pages_per_row + 1
-  stored = {'bf16': (jnp.bfloat16, head_dim), 'int8': (jnp.int8, head_dim),
-            'fp8': (jnp.float8_e4m3fn, head_dim), 'int4': (jnp.uint8, head_dim // 2)}[kv]
-  pool = _S((pages, page_size, k, stored[1]), stored[0])
-  scales = None if kv == 'bf16' else _S((pages, page_size, k, 1), jnp.float32)
+  pool, scales = _pool(kv, batch * pages_per_row + 1, page_size, k, head_dim)
   backend = paged_backend(target)
   ints = lambda *shape: _S(shape, jnp.int32)
 
@@ -71,6 +77,30 @@ def paged_attention(target: str, kv: str = 'int8', *, batch: int = 8, pages_per_
   shape = f'B={batch} S={pages_per_row * page_size} N={n} K={k} H={head_dim}'
   extra = (f' window={window}' if window else '') + (' ring' if ring else '')
   return Program(f'paged_attention {backend} kv={kv} {shape}{extra}', run, args)
+
+
+def ragged_paged_attention(kv: str = 'int8', *, batch: int = 8, queries: int = 32,
+                           pages_per_row: int = 16, page_size: int = 16, heads: tuple = (4, 2),
+                           head_dim: int = 128) -> Program:
+  """A mixed serving step in one call: `batch` rows of up to `queries` queries (a chunk's
+  worth) over `pages_per_row` pages of a pool stored as `kv`, as `paged_attention` stores it."""
+  if kv not in KV_STORAGE:
+    raise ValueError(f'qjax.aot: paged kv {kv!r} is unknown; use one of {KV_STORAGE}.')
+  n, k = heads
+  pool, scales = _pool(kv, batch * pages_per_row + 1, page_size, k, head_dim)
+  ints = lambda *shape: _S(shape, jnp.int32)
+
+  def run(q_BTNH, k_pages, v_pages, table, q_pos_BT, last_B, k_scales=None, v_scales=None):
+    return ragged_paged.ragged_paged_attention(
+        q_BTNH, k_pages, v_pages, table, q_pos_BT, last_B, k_scales=k_scales,
+        v_scales=v_scales, int4=kv == 'int4')
+
+  args = (_S((batch, queries, n, head_dim), jnp.bfloat16), pool, pool,
+          ints(batch, pages_per_row), ints(batch, queries), ints(batch))
+  if scales is not None:
+    args += (scales, scales)
+  shape = f'B={batch} T={queries} S={pages_per_row * page_size} N={n} K={k} H={head_dim}'
+  return Program(f'ragged_paged_attention kv={kv} {shape}', run, args, tokens=batch * queries)
 
 
 def qmm(bits: int, group: Optional[int], *, rows: int = 8, k: int = 512,

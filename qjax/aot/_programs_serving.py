@@ -2,7 +2,8 @@
 block, over a paged KV cache built for the target (`qjax.infer`).
 
 * engine_step (`infer.engine._step`): one step at the decode bucket, every row feeding one
-  token (packed (B, 1)), greedy and sampled rows both compiled.
+  token (packed (B, 1)), greedy and sampled rows both compiled; or (`mixed`) at the bucket
+  of decodes beside a prompt chunk.
 * engine_block (`infer.engine_block.decode_block`): `block` decode steps of every row in one
   dispatch, the rows' state on the device.
 
@@ -10,7 +11,9 @@ The pools are sized as `Engine` sizes them (`EngineConfig`: a block table coveri
 a ring of pages for sliding-window layers where it is shorter than the table) and stored in
 `kv` (int8 by default: a quantized paged KV). Where the target is one TPU or NVIDIA GPU, the
 decode rows attend through the Pallas paged kernel (`qjax.infer.paged_kernel.attention_form`:
-Mosaic on TPU, Triton on GPU where this jax has it), as the engine would run there.
+Mosaic on TPU, Triton on GPU where this jax has it), as the engine would run there; a mixed
+step on one TPU attends every row through the ragged kernel, once per layer (on a GPU, its
+decode rows through Triton and its chunk through the scan).
 """
 
 from __future__ import annotations
@@ -65,10 +68,12 @@ def default_config(m: AbstractModel, *, max_batch: int = 8, max_len: int = 256,
                       kv_format=kv, decode_block=block)
 
 
-def abstract_cache(m: AbstractModel, config: EngineConfig, *, packed_tokens: int = 0):
+def abstract_cache(m: AbstractModel, config: EngineConfig, *, packed_tokens: int = 0,
+                   width: int = 1, wide: int = 0):
   """The engine's abstract `PagedKVCache` for `m`, built while `m.target` is in force (the
-  pools' code layout is the target's). `packed_tokens` > 0: laid out as the step's decode
-  bucket (`paged.with_step` with seq_of / slot_of of that many tokens, att_width 1)."""
+  pools' code layout is the target's). `packed_tokens` > 0: laid out as one of the step's
+  buckets (`paged.with_step` with seq_of / slot_of of that many tokens, att_width `width`,
+  att_wide `wide`; the decode bucket: width 1, wide 0)."""
   cfg, shape = m.config, paged_shape(m, config)
   fmt = check_format(config.kv_format, cfg.head_dim, 'qjax.aot engine programs: kv')
   b = shape.max_batch
@@ -82,7 +87,8 @@ def abstract_cache(m: AbstractModel, config: EngineConfig, *, packed_tokens: int
       return cache
     n = packed_tokens
     return dataclasses.replace(cache, seq_of=jnp.zeros((n,), jnp.int32),
-                               slot_of=jnp.zeros((n,), jnp.int32), att_width=1, att_wide=0)
+                               slot_of=jnp.zeros((n,), jnp.int32), att_width=width,
+                               att_wide=wide)
 
   with _compile.tracing_for(m.target):
     return jax.eval_shape(make)
@@ -92,10 +98,13 @@ def _sampling(batch: int):
   return jax.eval_shape(lambda: SamplingBatch.stack([SamplingParams(temperature=0.0)] * batch))
 
 
-def engine_step(m: AbstractModel, config: EngineConfig) -> Program:
+def engine_step(m: AbstractModel, config: EngineConfig, *, mixed: bool = False) -> Program:
   """The engine's step at its decode bucket (`Engine.buckets[0]`: max_batch rows of one
-  token each), greedy and sampled rows both compiled (`lax.cond`), no repetition penalty."""
+  token each), or with `mixed` at the bucket of decodes beside one prompt chunk (max_batch +
+  chunk_size tokens, one row feeding up to chunk_size), greedy and sampled rows both compiled
+  (`lax.cond`), no repetition penalty."""
   b = config.max_batch
+  n, w, c = (b + config.chunk_size, config.chunk_size, 1) if mixed else (b, 1, 0)
   step = engine._step.__wrapped__  # pylint: disable=protected-access
   graphdef = m.graphdef
 
@@ -103,9 +112,10 @@ def engine_step(m: AbstractModel, config: EngineConfig) -> Program:
     return step(graphdef, state, tokens_N1, cache, last_B, params, position_B, None)
 
   ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  cache = abstract_cache(m, config, packed_tokens=b)
-  return Program(f'engine_step B={b} kv={config.kv_format}', run,
-                 (m.state, ints(b, 1), cache, ints(b), _sampling(b), ints(b)),
+  cache = abstract_cache(m, config, packed_tokens=n, width=w, wide=c)
+  bucket = f' N={n} W={w} C={c}' if mixed else ''
+  return Program(f'engine_step B={b}{bucket} kv={config.kv_format}', run,
+                 (m.state, ints(n, 1), cache, ints(b), _sampling(b), ints(b)),
                  donate_argnums=(2,), compute_bits=compute_bits(m.fmt))
 
 

@@ -14,13 +14,17 @@ in a process of its own (the compile-only toolchains are loaded there only: `too
 Models (`models()`): Llama-, Qwen3- and Gemma-3-shaped, shrunk so that a program compiles in
 seconds; Gemma 3 keeps its head dim 256, one kv head and a local (sliding-window) and a global
 layer. Formats: `qjax.aot.programs.FORMATS`. Programs (`KINDS`): prefill, the decode step at
-B = 1 and 8, the decode loop, the serving engine's step and decode block over an int8 paged
-KV, a QAT step, and every Pallas kernel qjax ships (`_programs_kernels`), with one kernel
-Mosaic rejects as a negative control.
+B = 1 and 8, the decode loop, the serving engine's step (at its decode bucket, and at a mixed
+bucket of decodes beside a prompt chunk: `MIXED`) and decode block over an int8 paged KV, a
+QAT step, and every Pallas kernel qjax ships (`_programs_kernels`), with one kernel Mosaic
+rejects as a negative control. A mixed step on the TPU must call the ragged paged kernel
+exactly once per layer and the decode one never; on the GPU, Triton once per layer (its
+decode rows) beside the scan (its chunk).
 
-Scopes. 'full' compiles every model x format x program on every target (277 programs,
-~20 minutes of a 2-core CPU). 'ci' (what `make test` runs, 86 programs, ~3 minutes of one
-core) covers every axis without the whole product (`CI_TPU`, `CI_GPU`): on both targets,
+Scopes. 'full' compiles every model x format x program on every target, and the mixed step
+of every model on both (284 programs, ~20 minutes of a 2-core CPU). 'ci' (what `make test`
+runs, 90 programs, ~3 minutes of one core) covers every axis without the whole product
+(`CI_TPU`, `CI_GPU`, `MIXED`): on both targets,
 every program on the Llama shape, its decode steps in every format (the bytes record;
 prefill too on the TPU), every kernel and every model; on the TPU, the Qwen3 and Gemma 3
 shapes' decode step in every format and Gemma 3's every program but the QAT step.
@@ -57,6 +61,7 @@ KINDS = ('prefill', 'decode_b1', 'decode_b8', 'decode_loop', 'engine_step', 'eng
 QUANTIZED = tuple(f for f in programs.FORMATS if f != 'bf16')
 PREFILL_LEN, CONTEXT, LOOP_STEPS = 128, 64, 4
 CPU_KERNEL = 'qjax_cpu_kernel'  # `_hlo.KERNEL_FAMILIES`: the CPU kernel's custom call
+RAGGED = 'qjax_ragged_paged_attention_mosaic'  # `kernels.ragged_paged`'s kernel name
 
 ALL = programs.FORMATS
 # The 'ci' scope: the formats of each (model, program), per target platform. Llama-shaped:
@@ -88,6 +93,13 @@ CI_GPU = {
 }
 
 
+# The engine's step at the mixed bucket (decodes beside one chunk), int8 pages, per target
+# platform in the 'ci' scope: {model: weight formats} (formats whose models other programs
+# build too). On the TPU one layer (Llama) and a ring layer beside a global one (Gemma 3); on
+# the GPU the decode kernel beside the scan.
+MIXED = {'tpu': {'llama': ('int8',), 'gemma3': ('fp8',)}, 'gpu': {'llama': ('int8',)}}
+
+
 def models() -> dict[str, TransformerConfig]:
   """The gate's three model shapes (bf16, vocab 512, a context of 512)."""
   small = dict(vocab_size=512, max_len=512, dtype='bfloat16', param_dtype='bfloat16')
@@ -112,8 +124,11 @@ class Job:
     kind: a `KINDS` entry, or 'kernel'.
     target: a `qjax.aot.TARGETS` name.
     model, fmt: the model shape and weight format (None for kernels).
-    variant: which kernel program ('splash', 'paged int8', 'qmm int4 g128', ...).
+    variant: which kernel program ('splash', 'paged int8', 'qmm int4 g128', ...), or 'mixed'
+      for the engine step at its mixed bucket.
     kernels: substrings of kernel names (`Report.kernel_names`) that must be called.
+    kernel_count: (substring, n) pairs: the calls of kernels so named must number exactly n
+      (once per layer, or 0: a kernel that must not run).
     error: where the compiler is expected to refuse: a substring of its message.
     why: why those expectations (or why a kernel is not expected).
   """
@@ -124,6 +139,7 @@ class Job:
   fmt: Optional[str] = None
   variant: str = ''
   kernels: tuple = ()
+  kernel_count: tuple = ()
   error: Optional[str] = None
   why: str = ''
 
@@ -134,6 +150,23 @@ def _platform(target: str) -> str:
 
 def _triton() -> bool:
   return pa.backend_available('triton')
+
+
+def _mixed_job(target: str, model: str, fmt: str) -> Job:
+  """The engine step at its mixed bucket: the ragged kernel once per layer on one TPU (and no
+  decode kernel); on one GPU the Triton decode kernel once per layer, no ragged kernel."""
+  layers = models()[model].num_layers
+  if _platform(target) == 'tpu':
+    return Job('engine_step', target, model, fmt, 'mixed', (RAGGED,),
+               ((RAGGED, layers), ('qjax_paged_attention_mosaic', 0)),
+               why='one TPU: every row of a mixed step in one ragged kernel call per layer')
+  if not _triton():
+    return Job('engine_step', target, model, fmt, 'mixed', kernel_count=((RAGGED, 0),),
+               why=f'jax {jax.__version__} has no Pallas Triton backend: the XLA scan')
+  triton = 'qjax_paged_attention_triton'
+  return Job('engine_step', target, model, fmt, 'mixed', (triton,),
+             ((triton, layers), (RAGGED, 0)),
+             why='one NVIDIA GPU: decode rows through Triton, the chunk through the scan')
 
 
 def _model_job(kind: str, target: str, model: str, fmt: str) -> Job:
@@ -157,7 +190,9 @@ def _kernel_jobs(target: str) -> list[Job]:
   backend = kernel_programs.paged_backend(target)
   jobs = []
   if tpu:
-    jobs += [Job('kernel', target, variant='splash', kernels=('splash',)),
+    jobs += [Job('kernel', target, variant='ragged int8', kernels=(RAGGED,),
+                 kernel_count=((RAGGED, 1),), why='a mixed step in one call'),
+             Job('kernel', target, variant='splash', kernels=('splash',)),
              Job('kernel', target, variant='splash window', kernels=('splash',)),
              Job('kernel', target, variant='mosaic_rejected', error='infer-vector-layout',
                  why='negative control: an (8, 130) -> (130, 8) shape cast Mosaic rejects')]
@@ -190,6 +225,10 @@ def jobs(scope: str = 'ci', targets=TARGETS) -> list[Job]:
         plan = CI_TPU if _platform(target) == 'tpu' else CI_GPU
         fmts = ALL if scope == 'full' else plan[model].get(kind, ())
         out += [_model_job(kind, target, model, f) for f in fmts]
+    mixed = MIXED.get(_platform(target), {})
+    for model in models():
+      fmts = ('int8',) if scope == 'full' else mixed.get(model, ())
+      out += [_mixed_job(target, model, f) for f in fmts]
     out += _kernel_jobs(target)
   return out
 
@@ -232,6 +271,8 @@ def _program(job: Job, built: _Models) -> tuple[programs.Program, dict]:
       return kp.splash_attention(window=64 if 'window' in v else None), {}
     if v == 'mosaic_rejected':
       return kp.mosaic_rejected(), {}
+    if v.startswith('ragged'):
+      return kp.ragged_paged_attention(v.split()[1]), {}
     if v == 'paged int8 H256 ring':
       return kp.paged_attention(job.target, 'int8', heads=(4, 1), head_dim=256,
                                 pages_per_row=6, window=64, ring=True), {}
@@ -246,6 +287,8 @@ def _program(job: Job, built: _Models) -> tuple[programs.Program, dict]:
   if job.kind in ('engine_step', 'engine_block'):
     config = serving.default_config(m)
     held['kv_bytes'] = serving.engine_cache_bytes(m, config)
+    if job.variant == 'mixed':
+      return serving.engine_step(m, config, mixed=True), held
     build: Callable = (serving.engine_step if job.kind == 'engine_step'
                        else serving.engine_decode_block)
     return build(m, config), held
@@ -284,7 +327,8 @@ PROBLEMS = ('compile', 'kernel', 'cpu_kernel', 'temp')  # what `check` reports, 
 def check(record: dict, temp_budget: Optional[float] = None) -> list[tuple[str, str]]:
   """What is wrong with one record, as (category, message) pairs ([] when nothing):
   'compile': not compiled (or compiled where a refusal was expected, or refused with another
-  message); 'kernel': an expected kernel not called; 'cpu_kernel': the CPU kernel's custom
+  message); 'kernel': an expected kernel not called, or called another number of times than
+  `Job.kernel_count` says; 'cpu_kernel': the CPU kernel's custom
   call in a TPU/GPU program; 'temp': temp bytes over `temp_budget`."""
   job, rep = record['job'], record['report']
   where = f"{job['target']} {record['program']}" + (
@@ -305,6 +349,11 @@ def check(record: dict, temp_budget: Optional[float] = None) -> list[tuple[str, 
     if not any(want in n for n in names):
       problems.append(('kernel', f'{where}: no {want!r} kernel called ({job["why"]}); '
                        f'kernels called: {sorted(names) or "none"}'))
+  for want, count in job.get('kernel_count', ()):
+    got = sum(c for n, c in names.items() if want in n)
+    if got != count:
+      problems.append(('kernel', f'{where}: {got} calls of {want!r} kernels, expected {count} '
+                       f'({job["why"]}); kernels called: {names or "none"}'))
   if CPU_KERNEL in rep['kernels']:
     problems.append(('cpu_kernel', f"{where}: calls the CPU kernel ({rep['custom_calls']}); a "
                      'path decision read the host, not the target (qjax.target)'))
@@ -321,11 +370,11 @@ def bytes_vs_bf16(records: list[dict]) -> list[dict]:
   for r in records:
     j = r['job']
     if j['fmt'] == 'bf16' and r['report']['compiled']:
-      base[(j['model'], j['kind'], j['target'])] = r['report']['bytes_accessed']
+      base[(j['model'], j['kind'], j['variant'], j['target'])] = r['report']['bytes_accessed']
   rows = []
   for r in records:
     j, rep = r['job'], r['report']
-    ref = base.get((j['model'], j['kind'], j['target']))
+    ref = base.get((j['model'], j['kind'], j['variant'], j['target']))
     if j['fmt'] in (None, 'bf16') or ref is None or not rep['compiled']:
       continue
     rows.append({'model': j['model'], 'program': j['kind'], 'target': j['target'],
