@@ -120,13 +120,15 @@ class Engine:
     self.ring_allocator = page_host.PageAllocator(num_ring) if ring else None
     self.prefix_cache = PrefixCache(self.allocator, p) if config.prefix_caching else None
     self.buckets = engine_inputs.buckets(config.max_batch, config.chunk_size)
-    swap = lambda name: lambda *args: getattr(self.runner, name)(*args)
     self.scheduler = Scheduler(max_batch=config.max_batch, chunk_size=config.chunk_size,
                                page_size=p, max_pages=self.max_pages, max_len=self.max_len,
                                allocator=self.allocator, ring_allocator=self.ring_allocator,
                                ring_pages=ring_pages, prefix_cache=self.prefix_cache,
-                               preemption=config.preemption, swap_out=swap('swap_out'),
-                               swap_in=swap('swap_in'), prefill_budget=config.prefill_budget)
+                               preemption=config.preemption,
+                               # The runner (built below) holds the pages' device copies.
+                               swap_out=lambda seq: self.runner.swap_out(seq),
+                               swap_in=lambda seq, host: self.runner.swap_in(seq, host),
+                               prefill_budget=config.prefill_budget)
     cache = paged.init_paged_cache(
         cfg, num_pages=config.num_pages, page_size=p, batch=config.max_batch,
         max_pages=self.max_pages, ring_pages=ring_pages, num_ring_pages=num_ring,
@@ -229,6 +231,7 @@ class Engine:
   def logprobs(self, request_id: str) -> list[float]:
     return self.requests.logprobs(request_id)
 
+  # Each delegate carries the request side's docstring (Args, Returns, Raises).
   for _name in ('add_request', 'stream', 'stream_text', 'run', 'generate', 'cancel', 'output',
                 'finish_reason', 'error', 'prefix_hit_tokens', 'logprobs'):
     locals()[_name].__doc__ = getattr(Requests, _name).__doc__

@@ -14,6 +14,7 @@ jitted call), device wait (reading its outputs) and compilation (a dispatch that
 from __future__ import annotations
 
 import time
+from typing import Optional, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,31 @@ from qjax.infer import engine_inputs, engine_programs, page_host, paged
 from qjax.infer.engine_booking import Booking
 from qjax.infer.sampling import SamplingBatch, SamplingParams
 from qjax.nn import traces
+
+
+class DecodePolicy(Protocol):
+  """How a `Runner` runs the steps a plan allows: `BlockDecoding` or `SpeculativeDecoding`."""
+
+  programs: tuple[str, ...]  # the trace names of its jitted programs (compilations)
+  queued: Optional[tuple]  # a dispatch queued on the device, read by `drain`
+
+  def run(self, plan) -> list[tuple[str, int]]:
+    """Run `plan` (its own dispatch, or `Runner.plain`); the events."""
+
+  def drain(self, queue: bool = True) -> list[tuple[str, int]]:
+    """Read and book the queued dispatch (with `queue`, maybe queue the next)."""
+
+  def feed(self, x: engine_inputs.StepInputs) -> None:
+    """See a plain step's inputs before it runs (a draft model's cache)."""
+
+  def timed(self, started: float, steps: int) -> None:
+    """Learn from a decode dispatch's wall time since `started`."""
+
+  def compile(self, params) -> None:
+    """Compile its programs on padding rows (`Runner.compile_buckets`)."""
+
+  def check(self, seq) -> None:
+    """Raise for a request it cannot serve."""
 
 
 class Runner:
@@ -46,13 +72,13 @@ class Runner:
     self.max_len, self.max_pages, self.vocab = max_len, max_pages, vocab
     self.sampling = engine_inputs.SamplingCache()
     self.resident = engine_inputs.Resident()
-    self.policy = None  # the decode policy (`use`)
+    self.policy: Optional[DecodePolicy] = None  # set by `use`
     self.held: list[tuple[str, int]] = []  # events booked outside a step, for the next one
     self.dispatch = self.call  # how jitted programs are called (a hook for measurement)
     self.programs: tuple[str, ...] = (engine_programs.STEP,)
     self._traces_before = traces.count(*self.programs)
 
-  def use(self, policy) -> None:
+  def use(self, policy: DecodePolicy) -> None:
     """Run decoding steps with `policy` (its `programs` count as this engine's)."""
     self.policy = policy
     self.programs = (engine_programs.STEP,) + tuple(policy.programs)

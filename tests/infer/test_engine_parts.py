@@ -1,18 +1,23 @@
 """The engine's parts alone: the input builder, the booking, the draw, the request side (on a
-scheduler without a model), and the speculative engine as the same engine with another
-policy."""
+scheduler without a model), the runner with a policy of its own, and the speculative engine
+as the same engine with another policy."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from qjax.infer import (Engine, PageAllocator, SamplingBatch, SamplingParams, Scheduler,
-                        SequenceState, SpeculativeEngine, engine_inputs)
-from qjax.infer.engine_booking import book
+from qjax.infer import (Engine, EngineStats, PageAllocator, SamplingBatch, SamplingParams,
+                        Scheduler, SequenceState, SpeculativeEngine, engine_inputs,
+                        init_paged_cache)
+from qjax.infer.engine_booking import Booking, book
 from qjax.infer.engine_programs import draw
 from qjax.infer.engine_requests import Requests
+from qjax.infer.engine_runner import Runner
 from qjax.infer.engine_state import StepPlan
+from qjax.nn import Transformer, TransformerConfig, greedy_generate
+from qjax.nn.model_split import StaticGraphdef
 from qjax.nn.validate import NON_FINITE
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
@@ -158,3 +163,59 @@ def test_a_speculative_engine_is_the_engine_with_another_policy():
 def test_step_plan_rows_are_sequence_states():
   plan = StepPlan([None, _seq('a', [1])], [0, 1])
   assert isinstance(plan.rows[1], SequenceState)
+
+
+class _PlainSteps:
+  """A decode policy that runs every plan as one packed step (the runner's whole interface)."""
+  programs, queued = (), None
+
+  def __init__(self, runner):
+    self.runner, self.buckets = runner, []
+
+  def run(self, plan):
+    return self.runner.plain(plan)
+
+  def drain(self, queue=True):
+    raise AssertionError('nothing is ever queued')
+
+  def feed(self, x):
+    self.buckets.append(x.bucket)
+
+  def timed(self, started, steps):
+    pass
+
+  def compile(self, params):
+    pass
+
+  def check(self, seq):
+    pass
+
+
+def test_a_runner_alone_with_a_plain_policy_gives_greedy_generation():
+  """The runner, a scheduler and a booking, no `Engine`: packed steps of a 6-token prompt in
+  chunks of 4 beside another request, then decodes, give each prompt's greedy tokens."""
+  cfg = TransformerConfig.tiny(max_len=32)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  sched = Scheduler(max_batch=2, chunk_size=4, page_size=4, max_pages=8, max_len=32,
+                    allocator=PageAllocator(20))
+  stats = EngineStats()
+  cache = init_paged_cache(cfg, num_pages=20, page_size=4, batch=2, max_pages=8)
+  booking = Booking(sched, stats, None, page_size=4, max_len=32, ring_layers=cache.ring,
+                    ring_span=0)
+  graphdef, state = nnx.split(model)
+  runner = Runner(StaticGraphdef(graphdef), state, cache, sched, booking, stats,
+                  buckets=engine_inputs.buckets(2, 4), chunk_size=4, page_size=4, max_len=32,
+                  max_pages=8, vocab=cfg.vocab_size)
+  policy = _PlainSteps(runner)
+  runner.use(policy)
+  seqs = [SequenceState(str(i), prompt, 5, SamplingParams(temperature=0.0, max_tokens=5))
+          for i, prompt in enumerate(([1, 2, 3, 4, 5, 6], [7, 8]))]
+  for seq in seqs:
+    sched.add(seq)
+  while runner.busy:
+    runner.step()
+  for seq in seqs:
+    want = greedy_generate(model, np.asarray([seq.prompt]), 5)[0, len(seq.prompt):]
+    assert seq.output == np.asarray(want).tolist() and seq.finish_reason == 'length'
+  assert policy.buckets[0] == (8, 4, 2) and stats.decode_tokens == 8
+  assert sched.allocator.num_free == 19
