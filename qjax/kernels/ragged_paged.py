@@ -40,9 +40,16 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from qjax.kernels import paged_attention as pa
 
+# The decode kernel's per-page pieces (dequantize, visibility, one online-softmax step), shared
+# so both kernels score, mask and accumulate alike.
+# pylint: disable=protected-access
+_dequantized, _online_step, _split_refs, _visible, _NEG = (
+    pa._dequantized, pa._online_step, pa._split_refs, pa._visible, pa._NEG)
+# pylint: enable=protected-access
 # Query rows (queries x heads) one block aims at: an MXU-sized tile of scores per page.
 ROWS_PER_BLOCK = 256
 
@@ -66,7 +73,7 @@ def _block_pages(lo, hi, *, page_size, width, window, ring_span):
 def _kernel(table_ref, lo_ref, hi_ref, last_ref, pos_ref, head_ref, col_ref, key_ref, *refs,
             nq, nqb, scaled, cfg):
   """Rows x query blocks x pages; each step one page of every kv head against one block."""
-  q_refs, (k_ref, ks_ref, v_ref, vs_ref), rest = pa._split_refs(refs, nq, scaled)  # pylint: disable=protected-access
+  q_refs, (k_ref, ks_ref, v_ref, vs_ref), rest = _split_refs(refs, nq, scaled)
   out_refs, scratch = rest[:nq], rest[nq:]
   m_scr, l_scr, acc_scr = scratch[0], scratch[1], scratch[2:]
   b, qb, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -78,7 +85,7 @@ def _kernel(table_ref, lo_ref, hi_ref, last_ref, pos_ref, head_ref, col_ref, key
 
   @pl.when(j == 0)
   def _():
-    m_scr[...] = jnp.full(m_scr.shape, pa._NEG, jnp.float32)  # pylint: disable=protected-access
+    m_scr[...] = jnp.full(m_scr.shape, _NEG, jnp.float32)
     l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
     for a in acc_scr:
       a[...] = jnp.zeros(a.shape, jnp.float32)
@@ -87,18 +94,18 @@ def _kernel(table_ref, lo_ref, hi_ref, last_ref, pos_ref, head_ref, col_ref, key
   def _():
     q_parts = tuple(r[...].astype(jnp.float32) for r in q_refs)
     scale = lambda r: None if r is None else r[...]
-    k_parts = pa._dequantized(k_ref[...], scale(ks_ref), cfg['int4'])  # pylint: disable=protected-access
-    v_parts = pa._dequantized(v_ref[...], scale(vs_ref), cfg['int4'])  # pylint: disable=protected-access
+    k_parts = _dequantized(k_ref[...], scale(ks_ref), cfg['int4'])
+    v_parts = _dequantized(v_ref[...], scale(vs_ref), cfg['int4'])
     slot_1Y = j * p + col_ref[1:2, :]
-    ok_XY = (head_ref[...] == col_ref[0:1, :]) & pa._visible(slot_1Y, pos_ref[...], last, **mask)  # pylint: disable=protected-access
+    ok_XY = (head_ref[...] == col_ref[0:1, :]) & _visible(slot_1Y, pos_ref[...], last, **mask)
     # Masks select: a slot no query of the block sees adds 0, even if it holds a stale NaN.
     window = mask['window']
-    seen_Y1 = pa._visible(j * p + key_ref[...], hi, last, ring_span=mask['ring_span'],  # pylint: disable=protected-access
-                          window=None if window is None else hi - lo + window)
+    seen_Y1 = _visible(j * p + key_ref[...], hi, last, ring_span=mask['ring_span'],
+                       window=None if window is None else hi - lo + window)
     v_parts = tuple(jnp.where(seen_Y1, v, 0.0) for v in v_parts)
     state = (m_scr[...], l_scr[...], tuple(a[...] for a in acc_scr))
-    m_X1, l_X1, acc = pa._online_step(state, q_parts, k_parts, v_parts, ok_XY,  # pylint: disable=protected-access
-                                      softcap=cfg['softcap'], use_dot=True)
+    m_X1, l_X1, acc = _online_step(state, q_parts, k_parts, v_parts, ok_XY,
+                                   softcap=cfg['softcap'], use_dot=True)
     m_scr[...], l_scr[...] = m_X1, l_X1
     for a_scr, a in zip(acc_scr, acc):
       a_scr[...] = a
@@ -160,7 +167,6 @@ def ragged_paged_attention(q_BTNH: jax.Array, k_pages: jax.Array, v_pages: jax.A
   tq = default_block_q(t, n) if block_q is None else block_q
   if not isinstance(tq, int) or tq < 1:
     raise ValueError(f'ragged_paged_attention: block_q={block_q!r}; use a positive integer.')
-  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   g, width = n // kh, page_table.shape[1]
   nqb = -(-t // tq)
   rows, cols = kh * tq * g, p * kh
