@@ -1,10 +1,10 @@
 """The serving engine's programs as (function, abstract arguments): its step and its decode
 block, over a paged KV cache built for the target (`qjax.infer`).
 
-* engine_step (`infer.engine._step`): one step at the decode bucket, every row feeding one
-  token (packed (B, 1)), greedy and sampled rows both compiled; or (`mixed`) at the bucket
-  of decodes beside a prompt chunk.
-* engine_block (`infer.engine_block.decode_block`): `block` decode steps of every row in one
+* engine_step (`infer.engine_programs.step`): one step at the decode bucket, every row
+  feeding one token (packed (B, 1)), greedy and sampled rows both compiled; or (`mixed`) at
+  the bucket of decodes beside a prompt chunk.
+* engine_block (`infer.engine_programs.decode_block`): `block` decode steps of every row in one
   dispatch, the rows' state on the device.
 
 The pools are sized as `Engine` sizes them (`EngineConfig`: a block table covering `max_len`,
@@ -25,7 +25,8 @@ import jax.numpy as jnp
 
 from qjax.aot import _compile
 from qjax.aot._programs import AbstractModel, Program, cache_bytes, compute_bits
-from qjax.infer import engine, engine_block, paged
+from qjax.infer import engine_programs as programs_of_engine
+from qjax.infer import paged
 from qjax.infer.engine_config import EngineConfig
 from qjax.infer.sampling import SamplingBatch, SamplingParams
 from qjax.nn.decode_core import LoopState
@@ -105,7 +106,7 @@ def engine_step(m: AbstractModel, config: EngineConfig, *, mixed: bool = False) 
   (`lax.cond`), no repetition penalty."""
   b = config.max_batch
   n, w, c = (b + config.chunk_size, config.chunk_size, 1) if mixed else (b, 1, 0)
-  step = engine._step.__wrapped__  # pylint: disable=protected-access
+  step = programs_of_engine.step.__wrapped__
   graphdef = m.graphdef
 
   def run(state, tokens_N1, cache, last_B, params, position_B):
@@ -121,9 +122,9 @@ def engine_step(m: AbstractModel, config: EngineConfig, *, mixed: bool = False) 
 
 def engine_decode_block(m: AbstractModel, config: EngineConfig) -> Program:
   """The engine's decode block: `config.decode_block` steps of every row in one dispatch
-  (`engine_block.decode_block`), its rows' state as the engine keeps it on the device."""
+  (`engine_programs.decode_block`), its rows' state as the engine keeps it on the device."""
   b, k = config.max_batch, config.decode_block
-  block_fn = engine_block.decode_block.__wrapped__  # pylint: disable=protected-access
+  block_fn = programs_of_engine.decode_block.__wrapped__
   graphdef = m.graphdef
 
   def run(state, cache, rows, params, stop_early):
