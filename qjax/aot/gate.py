@@ -227,7 +227,8 @@ def jobs(scope: str = 'ci', targets=TARGETS) -> list[Job]:
         out += [_model_job(kind, target, model, f) for f in fmts]
     mixed = MIXED.get(_platform(target), {})
     for model in models():
-      fmts = ('int8',) if scope == 'full' else mixed.get(model, ())
+      fmts = mixed.get(model, ())
+      fmts = tuple(dict.fromkeys(('int8',) + fmts)) if scope == 'full' else fmts
       out += [_mixed_job(target, model, f) for f in fmts]
     out += _kernel_jobs(target)
   return out

@@ -46,7 +46,7 @@ def test_the_ci_plan_is_a_subset_of_the_full_one_and_covers_every_axis():
   full = set(gate.jobs('full'))
   ci = gate.jobs('ci')
   assert set(ci) < full and len(ci) == len(set(ci))
-  assert len([j for j in full if j.kind != 'kernel']) == (
+  assert len([j for j in full if j.kind != 'kernel' and j.variant != 'mixed']) == (
       len(gate.TARGETS) * len(gate.models()) * len(gate.KINDS) * len(programs.FORMATS))
   for target in gate.TARGETS:
     mine = [j for j in ci if j.target == target]
@@ -57,11 +57,13 @@ def test_the_ci_plan_is_a_subset_of_the_full_one_and_covers_every_axis():
     gate.jobs('nightly')
 
 
-def test_the_tpu_expects_splash_and_the_mosaic_paged_kernel_and_a_g64_refusal():
+def test_the_tpu_expects_splash_the_paged_and_ragged_kernels_and_a_g64_refusal():
   jobs = gate.jobs('ci', ('v5e-1',))
   assert all(j.kernels == ('splash',) for j in jobs if j.kind == 'prefill')
   assert all(j.kernels == ('qjax_paged_attention_mosaic',) for j in jobs
-             if j.kind.startswith('engine'))
+             if j.kind.startswith('engine') and j.variant != 'mixed')
+  mixed = [j for j in jobs if j.variant == 'mixed']
+  assert mixed and all(j.kernels == ('qjax_ragged_paged_attention_mosaic',) for j in mixed)
   refused = {j.variant: j.error for j in jobs if j.error}
   assert refused == {'mosaic_rejected': 'infer-vector-layout',
                      'qmm int8 g64': 'divisible by 8 and 128',
