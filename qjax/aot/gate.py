@@ -364,23 +364,32 @@ def check(record: dict, temp_budget: Optional[float] = None) -> list[tuple[str, 
   return problems
 
 
+def _bytes(rep: dict) -> tuple:
+  """(bytes, what counted them) of a report: its HBM traffic (the roofline's bytes), else
+  XLA's bytes accessed."""
+  if rep.get('hbm_traffic') is not None:
+    return float(rep['hbm_traffic']), 'hbm traffic from the compiled HLO'
+  return rep['bytes_accessed'], rep['bytes_source']
+
+
 def bytes_vs_bf16(records: list[dict]) -> list[dict]:
-  """Each quantized format's bytes accessed against bf16's at the same model, program and
+  """Each quantized format's bytes (`_bytes`) against bf16's at the same model, program and
   target (the compiler's figures; where both compiled)."""
   base = {}
   for r in records:
     j = r['job']
     if j['fmt'] == 'bf16' and r['report']['compiled']:
-      base[(j['model'], j['kind'], j['variant'], j['target'])] = r['report']['bytes_accessed']
+      base[(j['model'], j['kind'], j['variant'], j['target'])] = _bytes(r['report'])[0]
   rows = []
   for r in records:
     j, rep = r['job'], r['report']
     ref = base.get((j['model'], j['kind'], j['variant'], j['target']))
     if j['fmt'] in (None, 'bf16') or ref is None or not rep['compiled']:
       continue
+    got, source = _bytes(rep)
     rows.append({'model': j['model'], 'program': j['kind'], 'target': j['target'],
-                 'format': j['fmt'], 'bytes': rep['bytes_accessed'], 'bf16_bytes': ref,
-                 'ratio': rep['bytes_accessed'] / ref, 'source': rep['bytes_source']})
+                 'format': j['fmt'], 'bytes': got, 'bf16_bytes': ref, 'ratio': got / ref,
+                 'source': source})
   return rows
 
 
@@ -392,7 +401,7 @@ def bytes_markdown(rows: list[dict]) -> str:
     return 'No format compiled beside bf16 at the same shapes.\n'
   cell = {(r['format'], r['model'], r['program'], r['target']): r['ratio'] for r in rows}
   sources = sorted({f"{r['target']}: {r['source']}" for r in rows})
-  lines = ['Bytes accessed against bf16 at the same shapes: compiler predictions '
+  lines = ['Bytes against bf16 at the same shapes: compiler predictions '
            f"({'; '.join(sources)}).", '',
            '| format | ' + ' | '.join(f'{m} {p} {t}' for m, p, t in cols) + ' |',
            '|---|' + '---|' * len(cols)]

@@ -78,5 +78,10 @@ def test_bytes_are_recorded_against_bf16_at_the_same_shapes():
   assert (row['format'], row['program'], row['ratio']) == ('int4', 'decode_b1', 0.25)
   table = gate.bytes_markdown([row])
   assert '| int4 | 0.25 |' in table and 'llama decode_b1 v5e-1' in table
+  # the HBM traffic counted from the HLO (the roofline's bytes) wins over XLA's bytes accessed
+  traffic = [_record(fmt='bf16', bytes_=500.0), _record(fmt='int8', bytes_=400.0)]
+  traffic[0]['report']['hbm_traffic'], traffic[1]['report']['hbm_traffic'] = 200, 100
+  [row] = gate.bytes_vs_bf16(traffic)
+  assert row['ratio'] == 0.5 and row['source'] == 'hbm traffic from the compiled HLO'
   assert 'v5e-1: xla cost analysis' in table
   assert 'No format compiled' in gate.bytes_markdown([])
