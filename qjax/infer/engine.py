@@ -61,7 +61,6 @@ from qjax.infer import engine_inputs, page_host, paged
 from qjax.infer.engine_block import BlockDecoding
 from qjax.infer.engine_booking import Booking
 from qjax.infer.engine_config import EngineConfig, EngineStats
-from qjax.infer.engine_programs import step as _step  # noqa: F401  (the compiled step)
 from qjax.infer.engine_requests import Requests
 from qjax.infer.engine_runner import Runner
 from qjax.infer.prefix_cache import PrefixCache
