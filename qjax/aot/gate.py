@@ -22,12 +22,11 @@ exactly once per layer and the decode one never; on the GPU, Triton once per lay
 decode rows) beside the scan (its chunk).
 
 Scopes. 'full' compiles every model x format x program on every target, and the mixed step
-of every model on both (284 programs, ~20 minutes of a 2-core CPU). 'ci' (what `make test`
-runs, 90 programs, ~3 minutes of one core) covers every axis without the whole product
-(`CI_TPU`, `CI_GPU`, `MIXED`): on both targets,
-every program on the Llama shape, its decode steps in every format (the bytes record;
-prefill too on the TPU), every kernel and every model; on the TPU, the Qwen3 and Gemma 3
-shapes' decode step in every format and Gemma 3's every program but the QAT step.
+of every model on both (285 programs, ~20 minutes of a 2-core CPU). 'ci' (what `make test`
+runs, 79 programs, ~3 minutes of one core) covers every axis without the whole product
+(`CI_TPU`, `CI_GPU`, `MIXED`): on both targets every program on the Llama shape, its decode
+step in every format (the bytes record), every kernel and every model; on the TPU Gemma 3's
+decode step in every format and its every program but the QAT step.
 """
 
 from __future__ import annotations
@@ -64,28 +63,33 @@ CPU_KERNEL = 'qjax_cpu_kernel'  # `_hlo.KERNEL_FAMILIES`: the CPU kernel's custo
 RAGGED = 'qjax_ragged_paged_attention_mosaic'  # `kernels.ragged_paged`'s kernel name
 
 ALL = programs.FORMATS
+# Decode at 8 rows and prefill where each format's large-M path differs: bf16 (the bytes
+# record's reference), int4 in groups, and W8A8's int8 dots (and on the TPU int8's kernel).
+# tests/aot/test_qmm_targets.py compiles every format's decode at 1 and 8 rows at real widths.
+WIDE = ('bf16', 'int4_g128', 'w8a8')
 # The 'ci' scope: the formats of each (model, program), per target platform. Llama-shaped:
-# every program on both targets, the decode steps (and on the TPU prefill) in every format,
-# the others in one format each. Gemma 3: every program but the QAT step on the TPU (its head
-# dim 256, one kv head, local and global layers and ring of pages reach splash and the paged
-# kernel), its decode step in every format. Qwen3 (Llama's shape with q/k norms and a tied
-# head): prefill, and the decode step in every format (the tied head in each format).
-# Quantized formats rotate over the programs compiled once, so each meets several.
+# every program on both targets, the decode step in every format (the bytes record), decode
+# at 8 rows and prefill in WIDE, the others in one format each. Gemma 3: every program but the
+# QAT step on the TPU (its head dim 256, one kv head, local and global layers and ring of
+# pages reach splash and the paged kernel), its decode step in every format. Qwen3 (Llama's
+# shape with q/k norms and a tied head): prefill, and the decode step in the head's formats
+# whose paths differ. Quantized formats rotate over the programs compiled once, so each meets
+# several.
 CI_TPU = {
-    'llama': {'prefill': ALL, 'decode_b1': ALL, 'decode_b8': ALL, 'decode_loop': ('int4',),
-              'engine_step': ('int8',), 'engine_block': ('w8a8',), 'qat_step': ('int4_g128',)},
-    'qwen3': {'prefill': ('int8',), 'decode_b1': ALL},
+    'llama': {'prefill': WIDE + ('int8',), 'decode_b1': ALL, 'decode_b8': WIDE,
+              'decode_loop': ('int4',), 'engine_step': ('int8',), 'engine_block': ('w8a8',),
+              'qat_step': ('int4_g128',)},
+    'qwen3': {'prefill': ('int8',), 'decode_b1': ('bf16', 'int4', 'fp8')},
     'gemma3': {'prefill': ('int4_g128',), 'decode_b1': ALL, 'decode_b8': ('w8a8',),
                'decode_loop': ('int8',), 'engine_step': ('fp8',), 'engine_block': ('int4',)},
 }
 # A GPU compile costs this CPU about three TPU ones (XLA's GPU compiler runs Triton and ptxas
 # for each fusion and each Pallas kernel: an int4 program, whose every projection takes the
-# Triton kernel, costs ~5x a bf16 one), so on the GPU Llama's prefill is compiled only in the
-# formats whose large-M paths differ (bf16, int4 in groups, W8A8's int8 dots), the other
-# models' decode step once, and Gemma 3's paged geometry reaches the Triton kernel as a kernel
-# program.
+# Triton kernel, costs ~5x a bf16 one), so on the GPU Llama's prefill and decode at 8 rows are
+# compiled in WIDE only, the other models' decode step once, and Gemma 3's paged geometry
+# reaches the Triton kernel as a kernel program.
 CI_GPU = {
-    'llama': {'prefill': ('bf16', 'int4_g128', 'w8a8'), 'decode_b1': ALL, 'decode_b8': ALL,
+    'llama': {'prefill': WIDE, 'decode_b1': ALL, 'decode_b8': WIDE,
               'decode_loop': ('fp8',), 'engine_step': ('int8',), 'engine_block': ('w8a8',),
               'qat_step': ('int4',)},
     'qwen3': {'decode_b1': ('int4_g128',)},

@@ -127,13 +127,14 @@ def test_the_gate_covers_every_model_format_program_and_target(result):
   for target in gate.TARGETS:
     assert {k for t, m, _, k in seen if t == target and m == 'llama'} == set(gate.KINDS)
     assert {m for t, m, _, _ in seen if t == target and m} == set(gate.models())
-    for fmt in programs.FORMATS:  # the Llama sweeps: the bytes record
-      for kind in ('decode_b1', 'decode_b8') + (('prefill',) if target == 'v5e-1' else ()):
-        assert (target, 'llama', fmt, kind) in seen
+    for fmt in programs.FORMATS:  # the Llama decode sweep: the bytes record
+      assert (target, 'llama', fmt, 'decode_b1') in seen
+    for fmt in gate.WIDE:
+      assert {(target, 'llama', fmt, k) for k in ('decode_b8', 'prefill')} <= seen
   assert {k for t, m, _, k in seen if t == 'v5e-1' and m == 'gemma3'} == (
       set(gate.KINDS) - {'qat_step'})
-  assert {(m, f) for t, m, f, k in seen if t == 'v5e-1' and k == 'decode_b1'} == {
-      (m, f) for m in gate.models() for f in programs.FORMATS}
+  assert {(m, f) for t, m, f, k in seen if t == 'v5e-1' and k == 'decode_b1'} >= {
+      (m, f) for m in ('llama', 'gemma3') for f in programs.FORMATS}
   kernels = {r['job']['variant'] for r in _records(result, kind='kernel')}
   assert {'splash', 'mosaic_rejected', 'paged int8', 'paged int4', 'paged int8 H256 ring',
           'ragged int8', 'qmm int4 g128'} <= kernels
@@ -166,6 +167,7 @@ def test_bytes_against_bf16_are_recorded_for_every_format(result):
   rows = result['bytes_vs_bf16']
   have = {(r['target'], r['program'], r['format']) for r in rows if r['model'] == 'llama'}
   for target in gate.TARGETS:
-    for kind in ('decode_b1', 'decode_b8') + (('prefill',) if target == 'v5e-1' else ()):
-      assert {(target, kind, f) for f in gate.QUANTIZED} <= have
+    assert {(target, 'decode_b1', f) for f in gate.QUANTIZED} <= have
+    for kind in ('decode_b8', 'prefill'):
+      assert {(target, kind, f) for f in gate.WIDE if f != 'bf16'} <= have
   assert all(r['ratio'] > 0 for r in rows)
