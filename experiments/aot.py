@@ -9,11 +9,11 @@ compiler predicts for each (an ahead-of-time compile check: nothing runs).
 
 For each target, format and program (prefill, the decode step at each batch, optionally the
 `decode_steps` loop): compiled or the compiler's error, whether it fits one device's HBM, the
-memory per device (peak = arguments + outputs - aliased + temp; temp apart), the bytes the
-program accesses beside the weight + KV bytes it holds, the roofline ms/token (the compiler's
-bytes and flops on the chip's datasheet), the cost model's estimate for the same step, and each
-format's predicted speedup over bf16. Every figure is the compiler's prediction for a
-compile-only device. Writes aot.json, aot.md and aot.png to
+memory per device (peak = arguments + outputs - aliased + temp; temp apart), its HBM traffic
+(and XLA's bytes accessed) beside the weight + KV bytes it holds, the roofline ms/token (the
+traffic and the compiler's flops on the chip's datasheet), the cost model's estimate for the
+same step, and each format's predicted speedup over bf16. Every figure is the compiler's
+prediction for a compile-only device. Writes aot.json, aot.md and aot.png to
 <out_dir>/<model>-<target>/ (out_dir defaults to results/aot in the checkout).
 The toolchain: `python -m qjax.aot.install` (docs/aot.md).
 """
@@ -37,14 +37,16 @@ from ml_collections import config_flags
 from qjax import aot
 from qjax import costmodel
 from qjax.aot import programs
-from qjax.eval.report import figure, pyplot
 from qjax.nn import TransformerConfig
 from qjax.nn import attention_forms
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/aot.py', lock_config=True)
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PREDICTION = ("the compiler's prediction for a compile-only device: nothing ran, no figure "
-              'here is a timing')
+if _REPO not in sys.path:  # run as a script from any directory: its sibling module
+  sys.path.insert(0, _REPO)
+from experiments.aot_report import (PREDICTION, markdown, plot, summary,  # noqa: E402
+                                    text_table)
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/aot.py', lock_config=True)
 
 # Shapes only (random weights are never built): what each preset name compiles.
 PRESETS = {
@@ -175,12 +177,6 @@ def _programs(plan: Plan, m) -> list:
   return out
 
 
-def _roofline(spec, flops, bytes_, bits) -> float:
-  chip = costmodel.get_chip(spec.chip)
-  return max(bytes_ / (chip.hbm_bw / spec.devices_per_chip),
-             (flops or 0.0) / (chip.peak_flops(bits) / spec.devices_per_chip))
-
-
 _LINEAR = ('argument_bytes', 'output_bytes', 'alias_bytes', 'generated_code_bytes', 'flops',
            'bytes_accessed', 'hlo_bytes', 'hbm_traffic', 'vmem_prefetch_bytes')
 
@@ -197,7 +193,7 @@ def extrapolate(a: aot.Report, b: aot.Report, k: int, depth: int, bits: int) -> 
       setattr(r, field, type(va)(va + (vb - va) * (depth - k) / k))
   r.peak_bytes = r.argument_bytes + r.output_bytes - r.alias_bytes + r.temp_bytes
   r.fits = r.peak_bytes <= r.hbm_bytes
-  r.roofline_s = _roofline(aot.spec_of(r.target), r.flops, aot.roofline_bytes(r), bits)
+  r.roofline_s = aot.roofline(aot.spec_of(r.target), r.flops, aot.roofline_bytes(r), bits)
   return r
 
 
@@ -268,168 +264,6 @@ def attention_note(plan: Plan, target: str) -> str:
                                        head_dim=plan.model.head_dim,
                                        logit_softcap=plan.model.attn_logit_softcap)
   return f'{form.name} ({form.reason})'
-
-
-# ---------------------------------------------------------------------------- table
-COLUMNS = ('program', 'format', 'compiled', 'fits', 'peak/device', 'temp', 'HBM traffic',
-           'XLA bytes accessed', 'weights+KV', 'traffic/(W+KV)', 'roofline ms/token',
-           'cost model ms/token', 'speedup vs bf16', 'kernels', 'compile s (CPU s)')
-
-
-def _bytes(n) -> str:
-  if n is None:
-    return '-'
-  for unit, size in (('GB', 1e9), ('MB', 1e6), ('kB', 1e3)):
-    if abs(n) >= size:
-      return f'{n / size:.3g} {unit}'
-  return f'{n:.0f} B'
-
-
-def _num(x, fmt='{:.3g}') -> str:
-  return '-' if x is None else fmt.format(x)
-
-
-def _kernels(report: dict) -> str:
-  """The kernels called, by name and count where the report has names, else by family."""
-  names = report.get('kernel_names') or {}
-  return (', '.join(f'{k} x{n}' if n > 1 else k for k, n in names.items()) or
-          ', '.join(report['kernels']) or '-')
-
-
-def cells(row: dict) -> tuple:
-  r = row['report']
-  held = row['weight_bytes'] + row['kv_bytes']
-  fits = '-' if r['fits'] is None else ('yes' if r['fits'] else 'NO')
-  return (row['program'], row['format'], 'yes' if r['compiled'] else 'NO (below)', fits,
-          _bytes(r['peak_bytes']), _bytes(r['temp_bytes']), _bytes(r.get('hbm_traffic')),
-          _bytes(r['bytes_accessed']), _bytes(held or None),
-          _num(r['hbm_traffic'] / held if r.get('hbm_traffic') and held else None, '{:.2f}x'),
-          _num(row['roofline_ms_per_token']), _num(row['estimate_ms_per_token']),
-          _num(row['speedup_vs_bf16'], '{:.2f}x'), _kernels(r),
-          f"{_num(r['compile_s'], '{:.1f}')} ({row['compile_cpu_s']:.1f})")
-
-
-def header(result: dict) -> list:
-  """The lines that say what the table is: target, what the figures are, how they were got."""
-  plan, t = result['plan'], result['target']
-  xla_tpu = 'xla' in t['bytes_source'] and t['chip'].startswith('tpu')
-  depth = (f"full depth ({plan['layers_total']} layers)" if not plan['layers'] else
-           f"compiled at {plan['layers']} and {2 * plan['layers']} layers; arguments, outputs, "
-           f"flops and bytes extrapolated linearly to {plan['layers_total']} layers (per-layer "
-           f"figures x the layer count); temp is the {2 * plan['layers']}-layer compile's")
-  return [
-      f"{result['label']} on {t['name']} ({t['device_kind']}, {t['devices']} device(s), "
-      f"{_bytes(t['hbm_per_device'])} HBM per device)",
-      f'Every figure is {PREDICTION}.',
-      f"Roofline: max(HBM traffic / {t['hbm_bw'] / 1e12:.3g} TB/s, flops / peak) on the "
-      f"{t['chip']} datasheet. HBM traffic: each op's HBM reads and writes counted once from "
-      "the compiled HLO (qjax.aot.hbm_traffic); XLA bytes accessed: "
-      f"{t['bytes_source']}"
-      f"{' (it counts a weight prefetched into VMEM several times)' if xla_tpu else ''}. "
-      'Cost model: qjax.costmodel.estimate of the same step on one chip.',
-      f"Model: {depth}; activations bf16 (int8 in w8a8); decode against {plan['context']} "
-      'cached tokens; '
-      f"prefill attention here: {result['attention']}.",
-  ]
-
-
-def text_table(result: dict) -> str:
-  rows = [COLUMNS] + [cells(r) for r in result['rows']]
-  widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-  lines = header(result) + [''] + ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-                                   for r in rows]
-  return '\n'.join(lines + errors(result))
-
-
-def errors(result: dict) -> list:
-  bad = [r for r in result['rows'] if not r['report']['compiled']]
-  return ([''] + ['Refused by the compiler (its message):'] +
-          [f"- {r['program']} {r['format']}: {r['report']['error'][:600]}" for r in bad]
-          if bad else [])
-
-
-def markdown(result: dict) -> str:
-  plan, t = result['plan'], result['target']
-  head = header(result)
-  lines = [f"# Ahead-of-time compile: {result['label']} on {t['name']} "
-           "(the compiler's prediction)", '', *[f'{x}  ' for x in head], '',
-           f"- date: {result['date']}",
-           f"- host: {result['host']}",
-           f"- jax {result['jax']}; compile-only toolchain: {result['toolchain']}",
-           f"- qjax: {result.get('qjax', 'unknown')}",
-           f"- command: `{result['command']}`",
-           f"- formats: {', '.join(f'{f} ({programs.DESCRIPTIONS[f]})' for f in plan['formats'])}",
-           '', '| ' + ' | '.join(COLUMNS) + ' |', '|' + '---|' * len(COLUMNS)]
-  lines += ['| ' + ' | '.join(c.replace('|', '/') for c in cells(r)) + ' |'
-            for r in result['rows']]
-  return '\n'.join(lines + errors(result)) + '\n'
-
-
-def _cell(row: dict) -> str:
-  r = row['report']
-  if not r['compiled']:
-    return 'refused'
-  fit = '' if r['fits'] else ', DOES NOT FIT'
-  return (f"{_num(row['roofline_ms_per_token'])} ({_num(row['speedup_vs_bf16'], '{:.2f}x')}), "
-          f"{_bytes(r['peak_bytes'])}{fit}")
-
-
-def summary(results: list) -> str:
-  """One model's programs and formats across the targets (markdown): roofline ms/token, the
-  speedup over bf16 and the peak memory per device."""
-  first = results[0]
-  names = [r['target']['name'] for r in results]
-  by = {(r['target']['name'], row['program'], row['format']): row
-        for r in results for row in r['rows']}
-  rows = [row for r in results for row in r['rows']]
-  progs = list(dict.fromkeys(row['program'] for row in rows))
-  fmts = list(dict.fromkeys(row['format'] for row in rows))
-  keys = [(p, f) for p in progs for f in fmts]
-  lines = [f"{first['label']}: roofline ms/token (speedup over bf16), peak memory per device. "
-           f'Every figure is {PREDICTION}.', '',
-           '| program | format | ' + ' | '.join(names) + ' |', '|---|---|' + '---|' * len(names)]
-  for prog, fmt in keys:
-    lines.append(f'| {prog} | {fmt} | ' + ' | '.join(
-        _cell(by[(t, prog, fmt)]) if (t, prog, fmt) in by else '-' for t in names) + ' |')
-  return '\n'.join(lines) + '\n'
-
-
-# ---------------------------------------------------------------------------- plot
-@figure
-def plot(result: dict, path: str) -> None:
-  """Roofline ms/token per program and format (the cost model's as markers), and the peak
-  memory per device against the HBM."""
-  plt = pyplot()
-  rows = [r for r in result['rows'] if r['kind'] != 'build']
-  progs = list(dict.fromkeys(r['program'] for r in rows))
-  fmts = list(dict.fromkeys(r['format'] for r in rows))
-  fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-  width = 0.8 / max(len(fmts), 1)
-  for j, fmt in enumerate(fmts):
-    mine = {r['program']: r for r in rows if r['format'] == fmt}
-    xs = [i + (j - (len(fmts) - 1) / 2) * width for i in range(len(progs))]
-    get = lambda p, key: (mine[p][key] if p in mine and mine[p][key] else float('nan'))  # noqa
-    axes[0].bar(xs, [get(p, 'roofline_ms_per_token') for p in progs], width, label=fmt,
-                color=f'C{j}')
-    axes[0].scatter(xs, [get(p, 'estimate_ms_per_token') for p in progs], marker='_',
-                    color='k', s=120, zorder=3, label='cost model' if j == 0 else None)
-    peak = [mine[p]['report']['peak_bytes'] / 1e9 if p in mine and mine[p]['report']['peak_bytes']
-            else float('nan') for p in progs]
-    axes[1].bar(xs, peak, width, label=fmt, color=f'C{j}')
-  axes[1].axhline(result['target']['hbm_per_device'] / 1e9, color='r', ls='--',
-                  label='HBM per device')
-  for ax, ylabel in ((axes[0], 'roofline ms per token'), (axes[1], 'peak GB per device')):
-    ax.set_xticks(range(len(progs)), progs, rotation=15, fontsize=8)
-    ax.set(ylabel=ylabel + ' (log)', yscale='log')
-    ax.grid(True, axis='y', alpha=0.3)
-  axes[0].legend(handles=[axes[0].collections[0]], fontsize=7, loc='lower right')
-  axes[1].legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.02, 1.0))
-  t = result['target']
-  fig.suptitle(f"{result['label']} on a compile-only {t['name']} ({t['device_kind']}): the "
-               "compiler's prediction, nothing ran", fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
 
 
 # ---------------------------------------------------------------------------- main

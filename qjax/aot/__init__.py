@@ -18,8 +18,8 @@ compiler for a slice's compile-only chips):
 
 from qjax.aot import _programs as programs
 from qjax.aot import toolchain
-from qjax.aot._compile import (Report, abstract_args, analyze, compile_for, roofline_bytes,
-                               tracing_for)
+from qjax.aot._compile import (Report, abstract_args, analyze, compile_for, roofline,
+                               roofline_bytes, tracing_for)
 from qjax.aot._hbm import hbm_traffic
 from qjax.aot._hlo import bytes_moved, custom_calls, kernel_families
 from qjax.aot._targets import TARGETS, TargetSpec, devices, gpu_target_config, mesh, spec_of
@@ -36,5 +36,5 @@ __all__ = ['CompiledStep', 'Comparison', 'NotCompiled', 'Report', 'Slice', 'TARG
            'bytes_moved', 'compare', 'compare_layouts', 'compile_for', 'compile_step',
            'compile_train_step', 'compiled_rows', 'compiled_shape', 'custom_calls', 'devices',
            'format_rows', 'gpu_target_config', 'hbm_traffic', 'kernel_families', 'mesh',
-           'model_config', 'parse_slice', 'programs', 'roofline_bytes', 'slice_devices',
+           'model_config', 'parse_slice', 'programs', 'roofline', 'roofline_bytes', 'slice_devices',
            'slice_mesh', 'spec_of', 'target', 'toolchain', 'tracing_for']

@@ -132,8 +132,9 @@ def tracing_for(name: str):
     yield mesh, t
 
 
-def _roofline(spec, flops: Optional[float], bytes_: Optional[float],
-              compute_bits: float) -> Optional[float]:
+def roofline(spec, flops: Optional[float], bytes_: Optional[float],
+             compute_bits: float) -> Optional[float]:
+  """max(bytes over the HBM bandwidth, flops over the peak) of one device of target `spec`."""
   if bytes_ is None:
     return None
   chip = costmodel.get_chip(spec.chip)
@@ -239,7 +240,7 @@ def _fill(report: Report, compiled, spec, compute_bits: float) -> None:
     report.bytes_accessed, report.bytes_source = float(cost['bytes accessed']), 'xla cost analysis'
   else:
     report.bytes_accessed, report.bytes_source = float(report.hlo_bytes), 'hlo ops (upper bound)'
-  report.roofline_s = _roofline(spec, report.flops, roofline_bytes(report), compute_bits)
+  report.roofline_s = roofline(spec, report.flops, roofline_bytes(report), compute_bits)
 
 
 def roofline_bytes(report: Report) -> Optional[float]:
