@@ -95,6 +95,27 @@ def _online_step(state, q_parts, k_parts, v_parts, ok_XY, *, softcap, use_dot):
   return m_new, l_X1, acc
 
 
+def _scratch_init(m_scr, l_scr, acc_scr) -> None:
+  """An online softmax's running max, sum and accumulators in VMEM scratch, before any key."""
+  m_scr[...] = jnp.full(m_scr.shape, _NEG, jnp.float32)
+  l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+  for a in acc_scr:
+    a[...] = jnp.zeros(a.shape, jnp.float32)
+
+
+def _scratch_step(scratch, q_parts, k_parts, v_parts, ok_XY, seen_Y1, softcap) -> None:
+  """One page's keys into the scratch state (`_online_step`); values of slots no query sees
+  are zeroed first, so a stale NaN there adds nothing."""
+  m_scr, l_scr, acc_scr = scratch
+  v_parts = tuple(jnp.where(seen_Y1, v, 0.0) for v in v_parts)
+  state = (m_scr[...], l_scr[...], tuple(a[...] for a in acc_scr))
+  m_X1, l_X1, acc = _online_step(state, q_parts, k_parts, v_parts, ok_XY, softcap=softcap,
+                                 use_dot=True)
+  m_scr[...], l_scr[...] = m_X1, l_X1
+  for a_scr, a in zip(acc_scr, acc):
+    a_scr[...] = a
+
+
 def _visible(slot, q_pos, last, *, window, ring_span):
   """Whether the keys in `slot` (slot j*P + s of a row's table) are visible to its query."""
   if ring_span:  # the newest position p <= last with p = slot (mod span)
@@ -190,10 +211,7 @@ def _mosaic_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, kh, scaled, cf
 
   @pl.when(step == 0)
   def _():
-    m_scr[...] = jnp.full(m_scr.shape, _NEG, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-    for a in acc_scr:
-      a[...] = jnp.zeros(a.shape, jnp.float32)
+    _scratch_init(m_scr, l_scr, acc_scr)
 
   @pl.when((j >= first) & (j < end))
   def _():
@@ -210,13 +228,8 @@ def _mosaic_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, kh, scaled, cf
     # Masks select: a slot the query cannot see adds 0, even if it holds a stale NaN.
     slot_Y1 = j * cfg['page_size'] + _div(jax.lax.broadcasted_iota(jnp.int32, (cols, 1), 0), kh)
     seen_Y1 = _visible(slot_Y1, q_pos, last, **cfg['mask'])
-    v_parts = tuple(jnp.where(seen_Y1, v, 0.0) for v in v_parts)
-    state = (m_scr[...], l_scr[...], tuple(a[...] for a in acc_scr))
-    m_X1, l_X1, acc = _online_step(state, q_parts, k_parts, v_parts, ok_XY,
-                                   softcap=cfg['softcap'], use_dot=True)
-    m_scr[...], l_scr[...] = m_X1, l_X1
-    for a_scr, a in zip(acc_scr, acc):
-      a_scr[...] = a
+    _scratch_step((m_scr, l_scr, acc_scr), q_parts, k_parts, v_parts, ok_XY, seen_Y1,
+                  cfg['softcap'])
 
   @pl.when(step == pps - 1)
   def _():

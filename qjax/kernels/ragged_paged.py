@@ -44,11 +44,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from qjax.kernels import paged_attention as pa
 
-# The decode kernel's per-page pieces (dequantize, visibility, one online-softmax step), shared
-# so both kernels score, mask and accumulate alike.
+# The decode kernel's per-page pieces (dequantize, visibility, the scratch state and one
+# online-softmax step into it), shared so both kernels score, mask and accumulate alike.
 # pylint: disable=protected-access
-_dequantized, _online_step, _split_refs, _visible, _NEG = (
-    pa._dequantized, pa._online_step, pa._split_refs, pa._visible, pa._NEG)
+_dequantized, _scratch_init, _scratch_step, _split_refs, _visible = (
+    pa._dequantized, pa._scratch_init, pa._scratch_step, pa._split_refs, pa._visible)
 # pylint: enable=protected-access
 # Query rows (queries x heads) one block aims at: an MXU-sized tile of scores per page.
 ROWS_PER_BLOCK = 256
@@ -85,10 +85,7 @@ def _kernel(table_ref, lo_ref, hi_ref, last_ref, pos_ref, head_ref, col_ref, key
 
   @pl.when(j == 0)
   def _():
-    m_scr[...] = jnp.full(m_scr.shape, _NEG, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-    for a in acc_scr:
-      a[...] = jnp.zeros(a.shape, jnp.float32)
+    _scratch_init(m_scr, l_scr, acc_scr)
 
   @pl.when((lo >= 0) & (j >= first) & (j < end))
   def _():
@@ -102,13 +99,8 @@ def _kernel(table_ref, lo_ref, hi_ref, last_ref, pos_ref, head_ref, col_ref, key
     window = mask['window']
     seen_Y1 = _visible(j * p + key_ref[...], hi, last, ring_span=mask['ring_span'],
                        window=None if window is None else hi - lo + window)
-    v_parts = tuple(jnp.where(seen_Y1, v, 0.0) for v in v_parts)
-    state = (m_scr[...], l_scr[...], tuple(a[...] for a in acc_scr))
-    m_X1, l_X1, acc = _online_step(state, q_parts, k_parts, v_parts, ok_XY,
-                                   softcap=cfg['softcap'], use_dot=True)
-    m_scr[...], l_scr[...] = m_X1, l_X1
-    for a_scr, a in zip(acc_scr, acc):
-      a_scr[...] = a
+    _scratch_step((m_scr, l_scr, acc_scr), q_parts, k_parts, v_parts, ok_XY, seen_Y1,
+                  cfg['softcap'])
 
   @pl.when(j == cfg['range']['width'] - 1)
   def _():
