@@ -53,8 +53,8 @@ class DecodeTest(parameterized.TestCase):
 @pytest.mark.backend(
     'cpu',
     reason=(
-        'equal to 1e-6 when every batch size runs the same GEMM kernel (XLA:CPU); GPU '
-        'GEMMs are chosen per M'))
+        'equal to 1e-5 on XLA:CPU, whose GEMMs at 1 and 2 rows differ in the last bits '
+        '(1.3e-6 under jax 0.12); GPU GEMMs are chosen per M and may use TF32'))
 @pytest.mark.parametrize('fmt', [None, 'int8'])
 def test_rows_at_different_lengths_decode_as_if_alone(fmt, full_optimization):
   """A ragged batch: each row keeps its own length, positions and mask."""
@@ -83,8 +83,8 @@ def test_rows_at_different_lengths_decode_as_if_alone(fmt, full_optimization):
   np.testing.assert_array_equal(kvcache.next_positions(cache, 2), [[7, 8], [4, 5]])
   together, cache = decode(cache, slice(None))
   np.testing.assert_array_equal(cache.length, [10, 7])
-  for i in range(2):
-    np.testing.assert_allclose(together[i], alone[i], atol=1e-6, rtol=1e-6)
+  for i in range(2):  # a mask or position error shows at 1e-2 and above
+    np.testing.assert_allclose(together[i], alone[i], atol=1e-5, rtol=1e-5)
   with pytest.raises(ValueError, match='row 0 has 10 cached \\+ 3 new tokens exceed the '
                                        'cache max_len=12'):
     nnx.merge(graphdef, state)(next_BT, cache=cache)  # eager: the lengths are known
@@ -95,8 +95,8 @@ def test_rows_at_different_lengths_decode_as_if_alone(fmt, full_optimization):
   _, cache = step(state, padded, init_cache(cfg, 2, 12, fmt=fmt))
   cache = dataclasses.replace(cache, length=jnp.asarray([7, 4], jnp.int32))
   together = decode(cache, slice(None))[0]
-  for i in range(2):
-    np.testing.assert_allclose(together[i], alone[i], atol=1e-6, rtol=1e-6)
+  for i in range(2):  # a mask or position error shows at 1e-2 and above
+    np.testing.assert_allclose(together[i], alone[i], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize('name', ['mqa_all_local', 'gemma_like'])
