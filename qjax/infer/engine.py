@@ -180,22 +180,6 @@ class Engine:
     compilations so far."""
     return self.runner.compile_buckets(self.config.max_batch)
 
-  # The decode policy's state, by the names the engine's tests read.
-  @property
-  def _inflight(self):
-    return self.policy.queued
-
-  @property
-  def _step_s(self) -> Optional[float]:
-    return self.policy.step_s
-
-  @_step_s.setter
-  def _step_s(self, value: Optional[float]) -> None:
-    self.policy.step_s = value
-
-  def _may_hold(self, steps: int) -> bool:
-    return self.policy.may_hold(steps)
-
   # ---- requests (`engine_requests.Requests`) -----------------------------------------------
   def add_request(self, prompt, params=None, request_id=None) -> str:
     return self.requests.add_request(prompt, params, request_id)

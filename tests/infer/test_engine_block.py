@@ -106,9 +106,9 @@ def test_requests_added_while_a_block_is_queued(model):
   ids = [engine.add_request(p, params) for p in prompts[:2]]
   for _ in range(4):
     engine.step()
-    if engine._inflight is not None:  # pylint: disable=protected-access
+    if engine.policy.queued is not None:
       break
-  assert engine._inflight is not None  # pylint: disable=protected-access
+  assert engine.policy.queued is not None
   ids.append(engine.add_request(prompts[2], params))
   for _ in engine.run():
     pass
@@ -129,7 +129,7 @@ def test_a_free_row_bounds_the_time_a_dispatch_holds_the_engine(model):
     st = engine.stats
     assert got == want
     assert (st.dispatches < st.steps) == blocks, (rows, bound, st.dispatches, st.steps)
-    assert engine._step_s is not None and engine._step_s > 0  # pylint: disable=protected-access
+    assert engine.policy.step_s is not None and engine.policy.step_s > 0
 
 
 def test_may_hold_compares_steps_times_the_estimate_with_the_bound(model):
@@ -137,10 +137,10 @@ def test_may_hold_compares_steps_times_the_estimate_with_the_bound(model):
                                       decode_block=4, admit_within_s=0.05))
   engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20))
   engine.step()  # admitted: one row busy, two free, nothing waiting
-  hold = engine._may_hold  # pylint: disable=protected-access
-  engine._step_s = None  # pylint: disable=protected-access
+  hold = engine.policy.may_hold
+  engine.policy.step_s = None
   assert not hold(4)  # no estimate yet: single steps until one is timed
-  engine._step_s = 0.01  # pylint: disable=protected-access
+  engine.policy.step_s = 0.01
   assert hold(4) and hold(5) and not hold(6) and not hold(8)
   engine.add_request([4, 5], SamplingParams(temperature=0.0, max_tokens=2))
   assert hold(8)  # a request waits: a finish ends the block, so it may run

@@ -210,7 +210,7 @@ def test_cancel_while_a_decode_block_is_queued_on_the_device():
   keep, drop = _healthy(8, 3), _healthy(9, 3)
   ids = [engine.add_request(list(p), SamplingParams(temperature=0, max_tokens=16))
          for p in (keep, drop)]
-  while engine._inflight is None:  # pylint: disable=protected-access
+  while engine.policy.queued is None:
     engine.step()
     assert engine.scheduler.has_work, 'no block was queued'
   engine.cancel(ids[1])
