@@ -25,3 +25,6 @@ def test_aot_notebook_compiles_for_v5e_and_h200(run_notebook):
   assert all('| yes | yes |' in line for line in rows), table
   prefill_tpu = next(line for line in rows if line.startswith('| v5e-1 | prefill'))
   assert 'mosaic' in prefill_tpu, prefill_tpu  # the TPU's splash attention kernel
+  # the HBM traffic column (qjax.aot.hbm_traffic) is counted for both targets
+  traffic = [line.split('|')[8].strip() for line in rows]
+  assert all(t.replace(',', '').isdigit() and int(t.replace(',', '')) > 0 for t in traffic), table
