@@ -188,6 +188,11 @@ def test_lookup_is_the_indexed_rows_everywhere():
         np.asarray(data[ids.reshape(-1)].astype(jnp.float32)))
   assert paths.rows.form(table, V5E)[0] == 'kernel'
   assert paths.rows.form(table, dataclasses.replace(V5E, platform='cpu'))[0] == 'index'
+  # The TPU form's scale rows: a column slice per id at decode, XLA's gather beyond
+  scale = jax.random.normal(KEY[3], (512, 5))
+  for n in (3, 65):
+    flat = jnp.arange(n) * 7 % 512
+    np.testing.assert_array_equal(paths.rows._rows(scale, flat, 1024), scale[flat // 2])
 
 
 def test_tpu_kernels_stay_off_a_partitioned_program():
