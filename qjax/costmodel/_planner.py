@@ -161,7 +161,8 @@ def plan(model, chip, workload: _roofline.Workload, n_chips, phase: str = 'decod
         continue
       rejected.append(f'{where}: needs {mem.total_bytes:.4g} bytes per chip (weights '
                       f'{mem.weights_bytes:.4g} + KV {mem.kv_bytes:.4g} + gathered '
-                      f'{mem.workspace_bytes:.4g}), {chip.name} holds {mem.capacity_bytes:.4g}')
+                      f'{max(mem.workspace_bytes, mem.head_workspace_bytes):.4g}), {chip.name} '
+                      f'holds {mem.capacity_bytes:.4g}')
       continue
     if max_step_latency_s is not None and est.step_latency_s > max_step_latency_s:
       rejected.append(f'{where}: step {est.step_latency_s:.4g} s > {max_step_latency_s:.4g} s')

@@ -139,10 +139,12 @@ class Memory:
   Attributes:
     weights_bytes: the chip's shard of the weights (replicated K/V projections included).
     kv_bytes: its shard of the KV cache (int8 caches with their scales).
-    workspace_bytes: weights gathered at once by a weight-gathered layout.
+    workspace_bytes: weights a weight-gathered layout holds gathered at once in a layer.
     capacity_bytes: one chip's HBM.
-    activation_bytes: the step's live activations: one layer's (`_activations`) and the
-      logits (`_logits_bytes`), an estimate.
+    activation_bytes: one layer's live activations (`_activations`), an estimate.
+    head_workspace_bytes: the output head as a weight-gathered layout holds it gathered,
+      after the last layer (whose activations are gone by then).
+    logits_bytes: the last position's logits (`_logits_bytes`).
   """
 
   weights_bytes: float
@@ -150,10 +152,14 @@ class Memory:
   workspace_bytes: float
   capacity_bytes: float
   activation_bytes: float = 0.0
+  head_workspace_bytes: float = 0.0
+  logits_bytes: float = 0.0
 
   @property
   def total_bytes(self) -> float:
-    return self.weights_bytes + self.kv_bytes + self.workspace_bytes + self.activation_bytes
+    """Weights and cache, the larger of a layer's and the head's working set, the logits."""
+    working = max(self.workspace_bytes + self.activation_bytes, self.head_workspace_bytes)
+    return self.weights_bytes + self.kv_bytes + working + self.logits_bytes
 
   @property
   def fits(self) -> bool:
@@ -335,8 +341,9 @@ def estimate(model, chip, mesh, layout, workload: Workload, phase: str = 'decode
                kv_bytes=w.batch * kv_held * m.kv_bytes_per_token(w.kv_bits) / plan.kv_shards,
                workspace_bytes=_gathered_weights(plan, mesh, layout) * wbytes,
                capacity_bytes=chip.hbm_bytes,
-               activation_bytes=_activations(plan, mesh, layout, w, t) * abytes
-               + _logits_bytes(plan, mesh, layout, w.batch))
+               activation_bytes=_activations(plan, mesh, layout, w, t) * abytes,
+               head_workspace_bytes=_gathered_head(plan, mesh) * wbytes,
+               logits_bytes=_logits_bytes(plan, mesh, layout, w.batch))
   return Estimate(model=model.name, chip=chip.name, mesh=mesh, layout=layout, workload=w,
                   phase=phase, interconnect=interconnect, combine=combine, plan=plan,
                   steps=steps, tokens=tokens, n_layers=m.n_layers, layer=layer, head=head,
@@ -381,19 +388,45 @@ def _weights_per_chip(m: _models.ModelShape, mesh: _layouts.Mesh,
   return (m.n_params - kv_proj) / mesh.n + kv_proj / kv_split
 
 
+def _gathered(whole: float, plan: _layouts.ShardPlan, mesh: _layouts.Mesh, dims: str) -> float:
+  """A weight gathered whole (`whole` elements) along `dims` ('e': E over x; 'f': F, heads
+  or vocabulary over the gathered minor axes of their z*y split), with its partly gathered
+  copy: `qjax.sharding` gathers one dim after the other, the one over more chips last, and
+  while that gather writes the whole its input (whole / those chips) is live too. Where the
+  copy fits the chip's VMEM the TPU compiler may keep it there; it is counted here."""
+  ways = [mesh.x if 'x' in plan.gather_axes else 1] if 'e' in dims else []
+  if 'f' in dims:
+    ways.append(mesh.size(tuple(a for a in ('z', 'y') if a in plan.gather_axes)))
+  ways = [k for k in ways if k > 1]
+  return whole * (1 + 1 / max(ways)) if len(ways) > 1 else whole
+
+
 def _gathered_weights(plan: _layouts.ShardPlan, mesh: _layouts.Mesh,
                       layout: _layouts.Layout) -> float:
-  """Weights a weight-gathered layout holds gathered at once (in weights): each projection
-  gathers its weight just before its product, so the largest one (an MLP matrix, the queries,
-  multiquery K/V whole, or the output head); 0 for weight-stationary layouts."""
+  """Weights a weight-gathered layout holds gathered at once in a layer (in weights): each
+  projection gathers its weight once its input exists (`qjax.sharding`'s hooks hold the
+  gather back until then, or the compiler hoists every layer's gathers to the step's start),
+  so the largest one (an MLP matrix, the queries, multiquery K/V whole) with its partly
+  gathered copy (`_gathered`); 0 for weight-stationary layouts."""
   n_gather = mesh.size(plan.gather_axes)
   if n_gather == 1:
     return 0.0
   m = plan.model
-  vocab_axes = tuple(a for a in ('z', 'y') if a not in plan.gather_axes)
   e = m.d_model
   q = e * m.n_heads * m.head_dim
   kv = e * 2 * m.n_kv_heads * m.head_dim
-  kv = kv if layout.attn == 'multihead' else kv * mesh.n / n_gather  # stored E_x only
-  largest = max(e * m.d_ff, q, kv) * n_gather / mesh.n
-  return max(largest, m.head_params / mesh.size(vocab_axes))
+  share = n_gather / mesh.n
+  kv = (_gathered(kv * share, plan, mesh, 'ef') if layout.attn == 'multihead'
+        else _gathered(kv, plan, mesh, 'e'))  # multiquery K/V: stored E_x only
+  return max(_gathered(e * m.d_ff * share, plan, mesh, 'ef'),
+             _gathered(q * share, plan, mesh, 'ef'), kv)
+
+
+def _gathered_head(plan: _layouts.ShardPlan, mesh: _layouts.Mesh) -> float:
+  """The output head a weight-gathered layout holds gathered after the last layer (in
+  weights): its vocabulary split over the axes it is not gathered over, with its partly
+  gathered copy (`_gathered`); 0 for weight-stationary layouts."""
+  if mesh.size(plan.gather_axes) == 1:
+    return 0.0
+  vocab_axes = tuple(a for a in ('z', 'y') if a not in plan.gather_axes)
+  return _gathered(plan.model.head_params / mesh.size(vocab_axes), plan, mesh, 'ef')

@@ -41,9 +41,13 @@ def _suffix(full: tuple, prefix: tuple, what: str) -> tuple:
   return full[len(prefix):]
 
 
-def _gather(x, dims_axes: dict):
-  """All-gather `x` along each dim over its mesh axes (tiled: shards concatenated in order)."""
-  for dim, mesh_axes in dims_axes.items():
+def _gather(x, dims_axes: dict, mesh):
+  """All-gather `x` along each dim over its mesh axes (tiled: shards concatenated in order).
+
+  The dim gathered over the most chips goes last: while the last gather writes the whole,
+  its input (the whole over that many chips) is live too, so this keeps it smallest."""
+  ways = lambda item: math.prod(mesh.shape[a] for a in item[1])  # noqa: E731
+  for dim, mesh_axes in sorted(dims_axes.items(), key=ways):
     if mesh_axes:
       x = jax.lax.all_gather(x, mesh_axes, axis=dim, tiled=True)
   return x
@@ -103,12 +107,20 @@ class LayoutHooks(shard_hooks.ShardHooks):
                        'table is inconsistent.')
     reduce = tuple(a for a in partial if not any(a in e for e in scatters.values()))
 
+    gathers = stored != used
+
     def local(x, *w_leaves):
+      if gathers:
+        # The gather may not start before its product's input exists: otherwise the TPU
+        # compiler hoists every layer's weight gathers (and the output head's) to the start
+        # of the step to hide their latency, and holds them all gathered at once.
+        x, w_leaves = jax.lax.optimization_barrier((x, list(w_leaves)))
       with jax.named_scope('gather_weight'):
-        w_leaves = [_gather(leaf, {d: _suffix(s[d], u[d], what) for d in range(len(s))})
+        w_leaves = [_gather(leaf, {d: _suffix(s[d], u[d], what) for d in range(len(s))},
+                            self.mesh)
                     for leaf, s, u in zip(w_leaves, stored, used)]
       with jax.named_scope('gather_input'):
-        x = _gather(x, x_gather)
+        x = _gather(x, x_gather, self.mesh)
       y = compute(x, _rebuild(w, w_leaves, used[0], self.mesh))
       for dim, mesh_axes in scatters.items():
         y = _scatter(y, mesh_axes, dim, self.mesh, split=out[dim] != 'V')
