@@ -374,15 +374,19 @@ def with_step(cache: PagedKVCache, block_table, ring_table, length, num_new, *,
                              att_wide=att_wide if packed else 0)
 
 
-def forward(model: nnx.Module, tokens_BT: jax.Array,
-            cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+def forward(model: nnx.Module, tokens_BT: jax.Array, cache: PagedKVCache,
+            num_new_B: Optional[jax.Array] = None) -> tuple[jax.Array, PagedKVCache]:
   """Run `model`'s phases against the paged cache: (x_BTD of the last block, cache).
 
   Row b's tokens sit at positions `length[b] + 0..T-1` (a packed step: `cache.positions`);
-  only the first `num_new[b]` are written. The returned cache has `length += num_new`. Jit
-  it with the model split (`nnx.split`), as the engine does; `model.logits` turns x into
+  only the first `num_new[b]` are written (`num_new_B` when given, else the cache's own).
+  The returned cache has `length += num_new`: the cache forward of
+  `qjax.infer.spec_round`, as `qjax.nn.kvcache.forward` is for a contiguous cache. Jit it
+  with the model split (`nnx.split`), as the engine does; `model.logits` turns x into
   logits.
   """
+  if num_new_B is not None:
+    cache = dataclasses.replace(cache, num_new=jnp.asarray(num_new_B, jnp.int32))
   positions_BT = cache.positions(tokens_BT.shape[1])
   x_BTD, cache = model.blocks(model.embed_tokens(tokens_BT), positions_BT, cache)
   return x_BTD, dataclasses.replace(cache, length=cache.length + cache.num_new)

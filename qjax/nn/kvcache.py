@@ -37,6 +37,9 @@ Other cache types. `write` hands a cache that is not a `KVCache` to its own
 `cache.write(layer, k_BTKH, v_BTKH, positions_BT)`, and attention then calls
 `cache.attend(layer, q_BTNH, positions_BT, window=, logit_softcap=)`; that is the whole
 protocol a paged cache implements (it also has `k`, `v` and `qformat`, for `through_format`).
+`forward(model, tokens_BT, cache, num_new_B)` runs a model's blocks over a `KVCache` under a
+caller's jit, each row's length advanced by its own count: the cache forward speculative
+rounds take (`qjax.infer.spec_round`; `qjax.infer.paged.forward` is the paged cache's).
 
 Overflow. Writing past `max_len` would clamp onto the last slots and run on with plausible
 numbers, so `check_fits` raises: the model's forward calls it when the lengths are concrete,
@@ -433,6 +436,29 @@ def read(cache: KVCache, layer: int,
 def next_positions(cache: KVCache, num_new: int) -> jax.Array:
   """Positions of the next `num_new` tokens of each row: `length[b] + 0..T-1`, shape (B, T)."""
   return cache.length[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
+
+
+def forward(model, tokens_BT: jax.Array, cache: KVCache,
+            num_new_B: jax.Array) -> tuple[jax.Array, KVCache]:
+  """Run `model`'s blocks over the cache under the caller's jit: (x_BTD of the last block,
+  cache), the returned cache's length advanced by `num_new_B` per row.
+
+  The cache forward of `qjax.infer.spec_round` (`qjax.infer.paged.forward` is the paged
+  cache's). Row b's T tokens are written at positions `length[b] + 0..T-1`; those past its
+  num_new sit past its new length, hidden by the causal mask until rewritten. A row that
+  writes nothing (num_new 0: a finished row that still runs, shapes being fixed) and whose T
+  slots would pass max_len writes them at the last T slots instead, over its own cached
+  positions: such a row is not read again. A row that writes and would pass max_len gets
+  NaN (`poison_overflow`). `model.logits` turns x into logits.
+  """
+  t = tokens_BT.shape[1]
+  length_B = cache.length
+  num_new_B = jnp.asarray(num_new_B, jnp.int32)
+  parked_B = (num_new_B == 0) & (length_B + t > cache.max_len)
+  cache = dataclasses.replace(cache, length=jnp.where(parked_B, cache.max_len - t, length_B))
+  x_BTD = poison_overflow(cache, t, model.embed_tokens(tokens_BT))
+  x_BTD, cache = model.blocks(x_BTD, next_positions(cache, t), cache)
+  return x_BTD, dataclasses.replace(cache, length=length_B + num_new_B)
 
 
 def advance(cache: KVCache, num_new: Union[int, jax.Array]) -> KVCache:
