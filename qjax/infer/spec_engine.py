@@ -9,16 +9,17 @@ its own page pools, indexed by the target's block tables: the scheduler's pages 
 models' keys and values for the same positions. Every step that prefills (a chunk of a
 prompt, or a recompute after preemption) or admits a request runs as in `Engine`, and the
 draft is fed the same tokens. A step where every running sequence decodes runs rounds
-instead: up to `rounds_per_dispatch` of them in one dispatch, as steps of the library's one
-decode loop (`qjax.nn.decode_core.run_block`). In a round the draft proposes gamma tokens
-per row (gamma + 1 draft steps: the last feeds its final proposal, so the draft cache never
-lags), the target scores [last token, d_1..d_gamma] in one forward, and
-`speculative_core.verify` accepts a prefix per row, so rows advance by different lengths
-(1 to gamma + 1 tokens). Nothing is rolled back: each row's cached length is set by the host
-at every dispatch and advanced on the device by the tokens a round accepted; slots past it
-are hidden by the causal mask and rewritten before any query reads them. The loop ends a row
-at a stop token or once it has gamma tokens or fewer left (the plain steps finish it), and
-the dispatch as soon as one row ends, so the rounds are those of one round per dispatch.
+instead: up to `rounds_per_dispatch` of them in one dispatch, the program of
+`qjax.infer.spec_round` (the round `speculative_generate` runs, here over the paged caches
+through `paged.forward`). In a round the draft proposes gamma tokens per row, the target
+scores [last token, d_1..d_gamma] in one forward, and `speculative_core.verify` accepts a
+prefix per row, so rows advance by different lengths (1 to gamma + 1 tokens); after it the
+draft's pages hold the same positions as the target's. Each row's cached length is set by
+the host at every dispatch and advanced on the device by the tokens a round accepted; slots
+past it are hidden by the causal mask and rewritten before any query reads them. The loop
+ends a row at a stop token or once it has gamma tokens or fewer left (the plain steps finish
+it), and the dispatch as soon as one row ends, so the rounds are those of one round per
+dispatch.
 
 Exactness: tokens follow the target's processed distribution (greedy: token for token the
 target's greedy decoding). Sampled requests draw from separate random streams in rounds
@@ -40,17 +41,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qjax.infer import engine_inputs, paged
+from qjax.infer import engine_inputs, paged, spec_round
 from qjax.infer.engine import Engine, EngineConfig
-from qjax.infer.sampling import processed_logits, row_keys
-from qjax.infer.speculative import _DRAFT, SpecStats, check_compatible, verify_round
+from qjax.infer.speculative import SpecStats, check_compatible
 from qjax.nn import traces
 from qjax.nn import validate
-from qjax.nn.decode_core import LoopState, run_block
+from qjax.nn.decode_core import LoopState
 from qjax.nn.model_split import StaticGraphdef, merge
 from qjax.nn.attention import kv_format
 
-FEED, ROUNDS = 'spec_engine.feed', 'spec_engine.rounds'  # trace names (`qjax.nn.traces`)
+FEED = 'spec_engine.feed'  # trace name (`qjax.nn.traces`); the rounds: `spec_round.ROUNDS`
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3,))
@@ -58,78 +58,6 @@ def _feed(dgraph, dstate, tokens_BT, dcache):
   traces.traced(FEED)
   draft = merge(dgraph, dstate)
   return paged.forward(draft, tokens_BT, dcache)[1]
-
-
-def _round(target, draft, gamma, tcache, dcache, cur_B, gen_B, params):
-  """Draft gamma tokens per row, verify them with one target forward; see the docstring."""
-
-  def draft_step(carry, i):
-    dcache, tok_B = carry
-    x_B1D, dcache = paged.forward(draft, tok_B[:, None], dcache)
-    logits_BV = draft.logits(x_B1D)[:, 0]
-    q_logp_BV = processed_logits(logits_BV, params)
-    keys_B = row_keys(params.seed_B, gen_B + i, _DRAFT)
-    new_B = jax.vmap(jax.random.categorical)(keys_B, q_logp_BV).astype(jnp.int32)
-    return (dcache, new_B), (new_B, q_logp_BV, validate.finite_rows(logits_BV))
-
-  (dcache, _), (d_XB, q_XBV, finite_XB) = jax.lax.scan(draft_step, (dcache, cur_B),
-                                                       jnp.arange(gamma + 1))
-  draft_BG = d_XB[:gamma].swapaxes(0, 1)
-  q_BGV = q_XBV[:gamma].swapaxes(0, 1)
-  x_BXD, tcache = paged.forward(target, jnp.concatenate([cur_B[:, None], draft_BG], 1), tcache)
-  # Non-finite target logits where the row used them, or draft logits of the row's own
-  # context (the first draft step), end the request with 'error' (NON_FINITE first).
-  num_acc_B, tokens_BX, beta_BG, _ = verify_round(
-      target.logits(x_BXD), q_BGV, draft_BG, params, gen_B, finite_XB[0])
-  num_acc_B = jnp.where(tokens_BX[:, 0] == validate.NON_FINITE, 0, num_acc_B)
-  return num_acc_B, tokens_BX, beta_BG, tcache, dcache
-
-
-@functools.partial(jax.jit, static_argnums=(0, 2, 4, 5), donate_argnums=(6, 7))
-def _rounds(tgraph, tstate, dgraph, dstate, gamma, rounds, tcache, dcache, loop, params):
-  """Up to `rounds` rounds on `decode_core.run_block`: each row's cached length advances on
-  the device by the tokens it accepted. Returns (decoded, tcache, dcache, sums): per-row
-  sums of the rounds' statistics (`_round_sums`)."""
-  traces.traced(ROUNDS)
-  target, draft = merge(tgraph, tstate), merge(dgraph, dstate)
-  b = loop.tok_B.shape[0]
-
-  def step(loop, ctx):
-    tcache, dcache, sums = ctx
-    live_B = loop.live_B.astype(jnp.int32)
-    length_B = tcache.length
-    tcache = dataclasses.replace(tcache, num_new=(gamma + 1) * live_B)
-    dcache = dataclasses.replace(dcache, length=length_B, num_new=live_B)
-    num_acc_B, tokens_BX, beta_BG, tcache, dcache = _round(
-        target, draft, gamma, tcache, dcache, loop.tok_B, loop.count_B, params)
-    length_B = length_B + live_B * (num_acc_B + 1)
-    tcache = dataclasses.replace(tcache, length=length_B)
-    dcache = dataclasses.replace(dcache, length=length_B)
-    ok_B = loop.live_B & (tokens_BX[:, 0] >= 0)
-    sums = jax.tree.map(jnp.add, sums, _round_sums(num_acc_B, beta_BG, ok_B))
-    zero_BX = jnp.zeros(tokens_BX.shape, jnp.float32)
-    return tokens_BX, zero_BX, num_acc_B + 1, loop.carry, (tcache, dcache, sums)
-
-  none_B = jnp.zeros((b,), jnp.int32)
-  zeros = _round_sums(none_B, jnp.zeros((b, gamma)), none_B > 0)
-  # Ending the block once a row stops (finished, or too near its max_tokens for a round)
-  # hands the host the decisions one round per dispatch would make: the same rounds.
-  out, (tcache, dcache, sums) = run_block(step, loop, (tcache, dcache, zeros), rounds,
-                                          width=gamma + 1, room=gamma, stop_early=True)
-  nothing_B = jnp.zeros_like(tcache.num_new)
-  return (out, dataclasses.replace(tcache, num_new=nothing_B),
-          dataclasses.replace(dcache, num_new=nothing_B), sums)
-
-
-def _round_sums(num_acc_B, beta_BG, ok_B):
-  """A round's statistics per row (rows `ok_B` count): rounds, tokens, reached, accepted
-  and 1 - TV summed over the draft positions a row reached."""
-  g_G = jnp.arange(beta_BG.shape[1])
-  reached_BG = (g_G <= num_acc_B[:, None]) & ok_B[:, None]
-  return dict(rounds_B=ok_B.astype(jnp.int32), tokens_B=jnp.where(ok_B, num_acc_B + 1, 0),
-              reached_BG=reached_BG.astype(jnp.int32),
-              accepted_BG=((g_G < num_acc_B[:, None]) & ok_B[:, None]).astype(jnp.int32),
-              beta_BG=jnp.where(reached_BG, beta_BG, 0.0))
 
 
 class SpeculativeDecoding:
@@ -144,12 +72,16 @@ class SpeculativeDecoding:
     num_pages, page_size, max_batch: the engine's pool geometry.
   """
 
-  programs = (FEED, ROUNDS)
+  programs = (FEED, spec_round.ROUNDS)
   queued = None  # rounds are read at once: nothing is ever queued
 
   def __init__(self, runner, draft: nnx.Module, *, gamma: int, rounds_per_dispatch: int,
                num_pages: int, page_size: int, max_batch: int):
     self.runner, self.gamma, self.rounds_per_dispatch = runner, gamma, rounds_per_dispatch
+    # A row stays in the rounds while it has more than gamma tokens left (the plain steps
+    # finish it), and a dispatch ends once one row stops: the rounds of one per dispatch.
+    self.how = spec_round.RoundConfig(gamma=gamma, block=rounds_per_dispatch,
+                                      forward=paged.forward, room=gamma, stop_early=True)
     self.dcache = paged.init_paged_cache(
         draft.config, num_pages=num_pages, page_size=page_size, batch=max_batch,
         max_pages=runner.max_pages, fmt=kv_format(draft))
@@ -221,8 +153,8 @@ class SpeculativeDecoding:
     params = r.sampling(x.params)
     r.stats.host_s += time.perf_counter() - t0
     out, r.cache, self.dcache, sums = r.dispatch(
-        _rounds, r.graphdef, r.state, self.dgraph, self.dstate, g, self.rounds_per_dispatch,
-        r.cache, self.dcache, loop, params)
+        spec_round.rounds, r.graphdef, r.state, self.dgraph, self.dstate, self.how, r.cache,
+        self.dcache, loop, params)
     tok_BW, num_B, steps, sums = r.fetch((out.tok_BW, out.num_B, out.steps, sums))
     t0 = time.perf_counter()
     c = self.counts

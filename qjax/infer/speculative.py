@@ -7,35 +7,27 @@
                                             params=SamplingParams(temperature=0.7), gamma=4)
     stats.alpha, stats.alpha_tv, stats.tokens_per_pass, stats.expected_tokens_per_pass
 
-One round (a function of both models; `rounds_per_dispatch` of them run in one dispatch,
-as steps of the library's one decode loop, `qjax.nn.decode_core.run_block`, so the host
-reads the tokens and done flags once per dispatch): the draft decodes
-gamma tokens with its own KV cache, drawing each from `processed_logits` of its logits; the
-target feeds the last emitted token and the gamma draft tokens (gamma + 1 positions) through
-its cache in one forward; `speculative_core.verify` accepts a prefix and draws the next
-token; both caches roll back to the accepted length by lowering each row's `length` (slots
-at or past a row's length are hidden by the causal mask and rewritten by the next round).
-Rows accept different numbers of tokens, so every row keeps its own length, output count and
-done flag.
+One round (`qjax.infer.spec_round`, the program the serving engine's speculative rounds run
+too; `rounds_per_dispatch` of them per dispatch, as steps of the library's one decode loop,
+so the host reads the tokens and done flags once per dispatch): the draft decodes gamma
+tokens with its own KV cache, drawing each from `processed_logits` of its logits; the target
+feeds the last emitted token and the gamma draft tokens (gamma + 1 positions) through its
+cache in one forward; `speculative_core.verify` accepts a prefix and draws the next token;
+both caches roll back to the accepted length by lowering each row's `length` (slots at or
+past a row's length are hidden by the causal mask and rewritten by the next round). Rows
+accept different numbers of tokens, so every row keeps its own length, output count and
+done flag. The caches are contiguous `KVCache`s, run through `qjax.nn.kvcache.forward`.
 
 Exactness: every emitted token follows the target's processed distribution (temperature,
 top-k, top-p, min-p; greedy when temperature is 0, where the output is token for token
 `greedy_generate` of the target). The repetition penalty is refused: its distribution would
-depend on the draft tokens of the same round. Random streams are per row:
-`row_keys(seed, output position, stream)` with separate streams for the draft's draws, the
-acceptance uniforms and the residual / bonus draw.
-
-Cache bookkeeping: the target's cache holds every token but the last emitted one (`cur`).
-The draft's does too, except after a round that accepted all gamma tokens: the draft never
-fed its own last proposal, so that row carries it as `pending` and the next round's first
-draft step feeds two tokens [pending, cur] (rows without one feed [cur, cur] and count one;
-the extra slot sits past the row's length, hidden).
+depend on the draft tokens of the same round. Random streams are per row
+(`spec_round` module docstring).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import jax
@@ -43,17 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qjax.infer import speculative_core
-from qjax.infer.sampling import SamplingParams, as_batch, processed_logits, row_keys
+from qjax.infer import spec_round, speculative_core
+from qjax.infer.sampling import SamplingParams, as_batch
 from qjax.nn import kvcache
 from qjax.nn.attention import kv_format
 from qjax.nn import validate
-from qjax.nn.decode_core import LoopState, run_block, stop_table
+from qjax.nn.decode_core import LoopState, stop_table
 from qjax.nn.generate import logits_step
-from qjax.nn.model_split import merge, split_for_decode
+from qjax.nn.model_split import split_for_decode
 from qjax.nn.transformer import Transformer
-
-_DRAFT, _ACCEPT, _FINAL = 2, 1, 3  # random streams (row_keys' `stream`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,112 +155,6 @@ def check_compatible(target, draft, gamma: int, target_tokenizer=None,
                        'ids; token ids would mean different text. Use the same tokenizer.')
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 4, 8), donate_argnums=(6,))
-def _rounds(tgraph, tstate, dgraph, dstate, gamma, params, ctx, loop: LoopState, rounds: int):
-  """Up to `rounds` draft-verify rounds on `decode_core.run_block` (fewer once every row is
-  done); returns (ctx, the rounds' `Decoded` tokens, their stats summed)."""
-  target, draft = merge(tgraph, tstate), merge(dgraph, dstate)
-  zeros = jax.eval_shape(lambda c: _round(target, draft, gamma, params, loop, c)[3], ctx)
-  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zeros)
-
-  def step(loop, ctx):
-    ctx, totals = ctx
-    tokens_BX, num_B, ctx, stats = _round(target, draft, gamma, params, loop, ctx)
-    zero_BX = jnp.zeros(tokens_BX.shape, jnp.float32)
-    return tokens_BX, zero_BX, num_B, loop.carry, (ctx, jax.tree.map(jnp.add, totals, stats))
-
-  out, (ctx, totals) = run_block(step, loop, (ctx, zeros), rounds, width=gamma + 1)
-  return ctx, out, totals
-
-
-def _round(target, draft, gamma, params, loop, ctx):
-  """One draft-verify round for every row: (tokens_BX, num_B, ctx, stats), the first num_B
-  of the X = gamma + 1 tokens accepted (the first is NON_FINITE where a logit was not)."""
-  tcache, dcache = ctx['tcache'], ctx['dcache']
-  cur_B, pend_B, has_pend_B = loop.tok_B, ctx['pending_B'], ctx['has_pending_B']
-  gen_B, live_B = loop.count_B, loop.live_B
-
-  # Finished rows still run (fixed shapes) but keep their lengths; their writes go to slots
-  # past the length, moved down where the cache would overflow (those rows are never read).
-  t_len_B, d_len_B = tcache.length, dcache.length
-  park = lambda len_B, c: jnp.where(live_B, len_B, jnp.minimum(len_B, c.max_len - gamma - 1))
-  tcache = dataclasses.replace(tcache, length=park(t_len_B, tcache))
-  dcache = dataclasses.replace(dcache, length=park(d_len_B, dcache))
-
-  # Draft step 0: [pending, cur] (two new tokens) or [cur, cur] (one; the second is hidden).
-  feed_B2 = jnp.stack([jnp.where(has_pend_B, pend_B, cur_B), cur_B], axis=1)
-  d_start_B = dcache.length
-  logits_B2V, dcache = draft(feed_B2, cache=dcache)
-  dcache = dataclasses.replace(dcache, length=d_start_B + 1 + has_pend_B.astype(jnp.int32))
-  logits_BV = jnp.where(has_pend_B[:, None], logits_B2V[:, 1], logits_B2V[:, 0])
-
-  def draw(logits_BV, i):
-    q_logp_BV = processed_logits(logits_BV, params)
-    keys_B = row_keys(params.seed_B, gen_B + i, _DRAFT)
-    return jax.vmap(jax.random.categorical)(keys_B, q_logp_BV).astype(jnp.int32), q_logp_BV
-
-  d_B, q_BV = draw(logits_BV, 0)
-
-  def step(carry, i):
-    dcache, d_B = carry
-    logits_B1V, dcache = draft(d_B[:, None], cache=dcache)
-    nd_B, q_BV = draw(logits_B1V[:, 0], i)
-    return (dcache, nd_B), (nd_B, q_BV)
-
-  (dcache, _), (ds_GB, qs_GBV) = jax.lax.scan(step, (dcache, d_B), jnp.arange(1, gamma))
-  draft_BG = jnp.concatenate([d_B[:, None], ds_GB.swapaxes(0, 1)], axis=1)
-  q_BGV = jnp.concatenate([q_BV[:, None], qs_GBV.swapaxes(0, 1)], axis=1)
-
-  # The target scores cur and the gamma draft tokens in one forward.
-  logits_BXV, tcache = target(jnp.concatenate([cur_B[:, None], draft_BG], axis=1),
-                              cache=tcache)
-  num_acc_B, tokens_BX, beta_BG, p_BXV = verify_round(
-      logits_BXV, q_BGV, draft_BG, params, gen_B, validate.finite_rows(logits_BV))
-  kl_BG = speculative_core.kl_divergence(
-      speculative_core.emitted_distribution(p_BXV[:, :gamma], q_BGV), p_BXV[:, :gamma])
-  num_new_B = num_acc_B + 1
-  full_B = num_acc_B == gamma
-  new_t_len_B = jnp.where(live_B, t_len_B + num_new_B, t_len_B)
-  new_d_len_B = jnp.where(live_B, new_t_len_B - full_B.astype(jnp.int32), d_len_B)
-  ctx = dict(tcache=dataclasses.replace(tcache, length=new_t_len_B),
-             dcache=dataclasses.replace(dcache, length=new_d_len_B),
-             pending_B=jnp.where(live_B, draft_BG[:, -1], pend_B),
-             has_pending_B=jnp.where(live_B, full_B, has_pend_B))
-  reached_BG = (jnp.arange(gamma)[None] <= num_acc_B[:, None]) & live_B[:, None]
-  accepted_BG = (jnp.arange(gamma)[None] < num_acc_B[:, None]) & live_B[:, None]
-  stats = dict(rounds=jnp.sum(live_B), tokens=jnp.sum(jnp.where(live_B, num_new_B, 0)),
-               reached_G=jnp.sum(reached_BG, 0), accepted_G=jnp.sum(accepted_BG, 0),
-               beta_sum_G=jnp.sum(jnp.where(reached_BG, beta_BG, 0.0), 0),
-               kl_sum_G=jnp.sum(jnp.where(reached_BG, kl_BG, 0.0), 0))
-  return tokens_BX, num_new_B, ctx, stats
-
-
-def verify_round(logits_BXV, q_BGV, draft_BG, params, gen_B, draft_finite_B):
-  """Verify a round's gamma draft tokens against the target's logits over [cur, drafts]
-  (`speculative_core.verify` on the processed distributions, with the acceptance and final
-  streams of each row's keys at its round start gen_B). Returns (num_acc_B, tokens_BX,
-  beta_BG, p_BXV); a row whose target logits at a position it used (the accepted prefix and
-  the final draw), or whose first draft logits (`draft_finite_B`, of the row's own context),
-  were not finite gets NON_FINITE as its first token, which ends it (never a draw from NaN).
-  Non-finite logits after a draft token the target rejects belong to that proposal, not to
-  the request: a draft position with non-finite logits is rejected, and the final token
-  is drawn from the target's distribution there, so the row goes on."""
-  b, x = logits_BXV.shape[:2]
-  p_BXV = processed_logits(logits_BXV.reshape(b * x, -1),
-                           jax.tree.map(lambda a: jnp.repeat(a, x), params)).reshape(b, x, -1)
-  uniform_BG = jax.vmap(lambda k: jax.random.uniform(k, (x - 1,)))(
-      row_keys(params.seed_B, gen_B, _ACCEPT))
-  # (The uniforms and final key are per round start gen_B: a key is reused only by a later
-  # round at the same output position, whose history never depended on it.)
-  num_acc_B, tokens_BX, beta_BG = speculative_core.verify(
-      p_BXV, q_BGV, draft_BG, uniform_BG, row_keys(params.seed_B, gen_B, _FINAL))
-  finite_BX = validate.finite_rows(logits_BXV.reshape(b * x, -1)).reshape(b, x)
-  used_BX = jnp.arange(x)[None] <= num_acc_B[:, None]
-  finite_B = jnp.all(finite_BX | ~used_BX, axis=1) & draft_finite_B
-  tokens_BX = tokens_BX.at[:, 0].set(jnp.where(finite_B, tokens_BX[:, 0], validate.NON_FINITE))
-  return num_acc_B, tokens_BX, beta_BG, p_BXV
-
-
 def _prefill(model, prompt_BT, cache):
   if prompt_BT.shape[1] == 0:
     return cache
@@ -292,8 +176,8 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
       top-k, top-p, min-p, seed and stop_tokens are used; repetition_penalty must be 1.
     gamma: draft tokens per target pass (>= 1).
     target_tokenizer, draft_tokenizer: optional; checked to map tokens to the same ids.
-    return_state: also return the final state (dict: 'tcache', 'dcache', 'cur_B',
-      'pending_B', 'has_pending_B', 'gen_B', 'out_BN'), e.g. to check the caches.
+    return_state: also return the final state (dict: 'tcache', 'dcache', 'cur_B', 'gen_B',
+      'out_BN'), e.g. to check the caches (each holds every token but `cur_B`).
     rounds_per_dispatch: rounds run on the device per dispatch (a `lax.while_loop`; it stops
       once every row is done); the host reads the done flags and stats once per dispatch.
       The tokens do not depend on it.
@@ -323,7 +207,8 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
       raise ValueError(f'speculative_generate: prompt {t} + max_tokens {max_tokens} + gamma '
                        f'{gamma} - 1 = {need} exceeds the {name} config.max_len='
                        f'{model.config.max_len}; generate fewer tokens or lower gamma.')
-  # Room for rows that finished early to keep running a round past their end (_round).
+  # Room for rows that finished early to keep running a round past their end (a row that
+  # would pass the cache writes lower: `kvcache.forward`).
   size = min(need + gamma + 1, target.config.max_len, draft.config.max_len)
   tcache = _prefill(target, prompt_BT[:, :-1],
                     kvcache.init_cache(target.config, b, size, fmt=kv_format(target)))
@@ -331,16 +216,16 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
                     kvcache.init_cache(draft.config, b, size, fmt=kv_format(draft)))
   stop_BS = stop_table([p.stop_tokens for p in plist])
   loop = LoopState.start(prompt_BT[:, -1], max_tokens, stop_BS=stop_BS)
-  zeros_B = lambda dtype=jnp.int32: jnp.zeros((b,), dtype)  # distinct buffers (donated)
-  ctx = dict(tcache=tcache, dcache=dcache, pending_B=zeros_B(), has_pending_B=zeros_B(bool))
   rounds_per_dispatch = validate.count(rounds_per_dispatch, 'rounds_per_dispatch',
                                        'speculative_generate')
+  how = spec_round.RoundConfig(gamma=gamma, block=rounds_per_dispatch,
+                               forward=kvcache.forward, measure_kl=True)
   tgraph, tstate = split_for_decode(target)
   dgraph, dstate = split_for_decode(draft)
   totals, rows = None, [[] for _ in range(b)]
   for _ in range(-(-max_tokens // rounds_per_dispatch)):  # every live row emits >= 1 a round
-    ctx, out, stats = _rounds(tgraph, tstate, dgraph, dstate, gamma, batch, ctx, loop,
-                              rounds_per_dispatch)
+    out, tcache, dcache, stats = spec_round.rounds(tgraph, tstate, dgraph, dstate, how,
+                                                   tcache, dcache, loop, batch)
     loop = out.state
     tok_BW, num_B, live_B, stats = jax.device_get((out.tok_BW, out.num_B, loop.live_B, stats))
     totals = stats if totals is None else jax.tree.map(np.add, totals, stats)
@@ -358,12 +243,13 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
   for i, row in enumerate(rows):
     out_BN[i, :len(row)] = row
     out_BN[i, len(row):max_tokens] = row[-1]  # after a stop token, repeat it (one width)
-  spec = SpecStats(gamma=gamma, rounds=int(totals['rounds']), tokens=int(totals['tokens']),
-                   reached_G=np.asarray(totals['reached_G']),
-                   accepted_G=np.asarray(totals['accepted_G']),
-                   beta_sum_G=np.asarray(totals['beta_sum_G']),
-                   kl_sum_G=np.asarray(totals['kl_sum_G']))
+  spec = SpecStats(gamma=gamma, rounds=int(totals['rounds_B'].sum()),
+                   tokens=int(totals['tokens_B'].sum()),
+                   reached_G=totals['reached_BG'].sum(0),
+                   accepted_G=totals['accepted_BG'].sum(0),
+                   beta_sum_G=totals['beta_BG'].sum(0), kl_sum_G=totals['kl_BG'].sum(0))
   tokens = jnp.concatenate([prompt_BT, jnp.asarray(out_BN[:, :max_tokens])], axis=1)
   if not return_state:
     return tokens, spec
-  return tokens, spec, dict(ctx, cur_B=loop.tok_B, gen_B=loop.count_B, out_BN=out_BN)
+  return tokens, spec, dict(tcache=tcache, dcache=dcache, cur_B=loop.tok_B,
+                            gen_B=loop.count_B, out_BN=out_BN)

@@ -1,11 +1,11 @@
 """The library's one decode loop: up to K steps in one `lax.while_loop` while a row is live.
 
 Every decoder runs on `run_block`: greedy and sampled generation (`qjax.nn.generate`), the
-serving engine's decode blocks (`qjax.infer.engine_block`), and speculative rounds, alone
-(`qjax.infer.speculative`) or in the engine (`qjax.infer.spec_engine`). A caller supplies
-the step (a model forward and a token choice, or a draft-verify round) and the loop owns
-what is common to all of them, on the device: which rows are live, each row's count,
-last token, stop tokens and token limit, the tokens recorded for the host, and when to end.
+serving engine's decode blocks (`qjax.infer.engine_block`), and speculative rounds
+(`qjax.infer.spec_round`, alone or in the engine). A caller supplies the step (a model
+forward and a token choice, or a draft-verify round) and the loop owns what is common to
+all of them, on the device: which rows are live, each row's count, last token, stop tokens
+and token limit, the tokens recorded for the host, and when to end.
 
 A step may emit 1..X tokens per row (a speculative round emits up to gamma + 1). A row
 ends after a stop token (kept; later tokens of the same step are dropped), after a negative
