@@ -34,6 +34,7 @@ from qjax.core import int_format
 from qjax.nn import (QuantPolicy, QuantRule, Transformer, TransformerConfig, init_cache,
                      kvcache, quantize_model, shard_hooks, with_kv_format)
 from qjax.sharding import _hlo
+from qjax.aot import _hbm
 from qjax.aot import _slices
 from qjax.sharding import _specs
 from qjax.sharding._hooks import LayoutHooks
@@ -120,6 +121,8 @@ class CompiledStep:
     comm_bytes: {kind: bytes one chip sends per step} from the compiled HLO (`_hlo`).
     comm_s: those collectives' time on the costmodel chip's interconnect (all links).
     flops, bytes_accessed: XLA's cost analysis.
+    hbm_traffic: the bytes one chip reads from and writes to HBM (`qjax.aot.hbm_traffic`:
+      each transfer once, where bytes_accessed counts a VMEM prefetch several times).
     hbm_bytes: one chip's HBM.
     compile_s: seconds spent compiling here (all depths).
     collectives: the collectives of the deepest compile ((kind, axes, D, K, count) tuples).
@@ -149,6 +152,7 @@ class CompiledStep:
   comm_s: float
   flops: float
   bytes_accessed: float
+  hbm_traffic: float
   hbm_bytes: float
   compile_s: float
   collectives: tuple = ()
@@ -173,9 +177,10 @@ class CompiledStep:
     return sum(self.comm_bytes.values())
 
   def roofline_s(self, compute_bits: float = 16) -> float:
-    """The compiler's step time: max(bytes / HBM bandwidth, flops / peak) + collectives."""
+    """The compiler's step time: max(HBM traffic / HBM bandwidth, flops / peak) +
+    collectives, the single-chip reports' roofline (`qjax.aot.roofline`) on a slice."""
     chip = costmodel.get_chip(self.chip)
-    return max(self.bytes_accessed / chip.hbm_bw,
+    return max(self.hbm_traffic / chip.hbm_bw,
                self.flops / chip.peak_flops(compute_bits)) + self.comm_s
 
 
@@ -245,13 +250,15 @@ def _compile_once(cfg, layout, mesh, *, phase, batch, tokens, context, weights, 
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-  found = _hlo.collectives(compiled.as_text(), mesh)
+  text = compiled.as_text()
+  found = _hlo.collectives(text, mesh)
   return {'argument_bytes': mem.argument_size_in_bytes, 'output_bytes': mem.output_size_in_bytes,
           'alias_bytes': mem.alias_size_in_bytes, 'temp_bytes': mem.temp_size_in_bytes,
           'weight_bytes': _specs.bytes_per_device(state, state_s),
           'kv_bytes': _specs.bytes_per_device(cache, cache_s),
           'flops': float(cost.get('flops', 0.0)),
           'bytes_accessed': float(cost.get('bytes accessed', 0.0)),
+          'hbm_traffic': float(_hbm.hbm_traffic(text)['hbm']),
           'comm_bytes': _hlo.sent_bytes(found), 'found': found, 'compile_s': seconds}
 
 
