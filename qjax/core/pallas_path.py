@@ -5,10 +5,10 @@ The kernel multiplies x (M, K) by symmetric int8 codes (K, N) or packed int4 byt
 with one scale row per group of K rows. A weight fits when its spec is x (M, K) @ w (K, N)
 with the weight's axes (contracted..., kept...) (`tiled_path.canonical_axes`, a free reshape
 of the storage), its groups are runs of the flattened contraction (o_proj's N*H included),
-and its scales are per channel or per tensor along the kept axes, at decode shapes (at most
-`pallas_qmm.MAX_ROWS` rows). `pallas_einsum` raises for anything else; `qeinsum(path='pallas')`
-asks `fits` first and gives the rest (prefill, the tied head, asymmetric or fp8 weights) to
-the path 'auto' takes for weight-only, as 'tiled' gives what it cannot express to 'dequant'.
+and its scales are per channel or per tensor along the kept axes, at any number of rows (the
+kernel blocks prefill rows). `pallas_einsum` raises for anything else; `qeinsum(path='pallas')`
+asks `fits` first and gives the rest (the tied head, asymmetric or fp8 weights) to the path
+'auto' takes for weight-only, as 'tiled' gives what it cannot express to 'dequant'.
 """
 
 from __future__ import annotations
@@ -62,15 +62,10 @@ def _operands(xs, ws, out, w: QArray):
 
 
 def refusal(xs: str, ws: str, out: str, x_shape, w: QArray):
-  """None where the kernel takes `w` under this spec at x's number of rows, else why not."""
-  from qjax.kernels import pallas_qmm  # pylint: disable=import-outside-toplevel
+  """None where the kernel takes `w` under this spec (any number of rows), else why not."""
+  del x_shape
   a = _check(xs, ws, out, w)
-  if isinstance(a, str):
-    return a
-  rows = math.prod(d for c, d in zip(xs, x_shape) if c not in ws[:a])
-  if rows > pallas_qmm.MAX_ROWS:
-    return f'{rows} rows > {pallas_qmm.MAX_ROWS} (decode shapes only)'
-  return None
+  return a if isinstance(a, str) else None
 
 
 def fits(xs: str, ws: str, out: str, x: jax.Array, w: QArray) -> bool:
@@ -83,8 +78,7 @@ def pallas_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype
   """Weight-only `einsum(xs,ws->out)(x, dequantize(w))` on the Pallas kernel.
 
   Raises:
-    ValueError: a weight or spec the kernel does not take, or more than
-      `pallas_qmm.MAX_ROWS` rows.
+    ValueError: a weight or spec the kernel does not take.
   """
   from qjax.kernels import pallas_qmm  # pylint: disable=import-outside-toplevel
   ops = _operands(xs, ws, out, w)
@@ -99,7 +93,11 @@ def pallas_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype
   x2 = x2.reshape(math.prod(m_shape), k)
   if x2.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
     x2 = x2.astype(jnp.float32)
-  y2 = pallas_qmm.qmm(x2, codes, s_gn, bits=w.qtype.bits, interpret=interpret)
+  # The kernel rounds its f32 sums to the output dtype once: no f32 (M, N) in HBM.
+  kernel_out = (out_dtype if jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float16, jnp.float32)
+                else jnp.float32)
+  y2 = pallas_qmm.qmm(x2, codes, s_gn, bits=w.qtype.bits, interpret=interpret,
+                      out_dtype=kernel_out)
   y = y2.reshape(m_shape + tuple(w.shape[a:]))
   letters = ''.join(x_only) + ws[a:]
   return jnp.transpose(y, [letters.index(c) for c in out]).astype(out_dtype)

@@ -4,12 +4,15 @@ or int4 codes, group scales along K, at decode shapes.
 `qjax.kernels.pallas_qmm` multiplies weights stored (K, N); the tied head stores its table
 (V, D) with the contraction last ('BTD,VD->BTV'), which XLA:GPU dequantizes to a bf16 table
 before its dot when the scales are grouped along D (without the subchannel dequantisation
-fusion flag). Here each grid step loads a (bn, bk) block of codes (bk = one group of K, or up
-to 512 columns per channel), widens it in registers, multiplies it as x_blk @ w_blk.T with f32
-accumulation and scales the block's partial sum by its group's scales. int4 codes arrive as
+fusion flag). Here each program computes bn output columns: it walks K in (bn, bk) blocks of
+codes (bk = one group of K, or up to 512 columns per channel), widens each in registers,
+multiplies it as x_blk @ w_blk.T with f32 accumulation and scales the block's partial sum by
+its group's scales; the block is written once, in the caller's dtype. int4 codes arrive as
 the bytes XLA stores (two a byte along K, low nibble first): the low nibbles multiply the even
 columns of x and the high nibbles the odd ones, so nothing is interleaved. Activations are
-padded to 16 rows (Triton's smallest dot operand). On CPU it runs in interpret mode.
+padded to 16 rows (Triton's smallest dot operand) and the padding rows are masked out of the
+write: the logits are (M, V), not (16, V) (at batch 8 on a compile-only H200 the padded f32
+output was an 8.2 MB temporary that the sampler read twice). On CPU it runs in interpret mode.
 This module imports nothing from qjax but the target.
 """
 
@@ -44,29 +47,41 @@ def _fields(b):
   return lo - ((lo >> 3) << 4), hi - ((hi >> 3) << 4)
 
 
-def _kernel8(x_ref, w_ref, s_ref, o_ref):
-  @pl.when(pl.program_id(1) == 0)
-  def _():
-    o_ref[...] = jnp.zeros_like(o_ref)
-
-  x = x_ref[...]
-  w = w_ref[...].astype(x.dtype)
-  part = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-  o_ref[...] += part * s_ref[...].reshape(1, -1)
-
-
-def _kernel4(xe_ref, xo_ref, w_ref, s_ref, o_ref):
-  @pl.when(pl.program_id(1) == 0)
-  def _():
-    o_ref[...] = jnp.zeros_like(o_ref)
-
-  xe, xo = xe_ref[...], xo_ref[...]
-  lo, hi = _fields(w_ref[...])
+def _kernel(*refs, bits: int, bk: int, group: int, m: int):
+  """One (mp, bn) block of x @ w.T: the K loop in the program, one masked write of m rows."""
+  if bits == 8:
+    x_ref, w_ref, s_ref, o_ref = refs
+  else:
+    x_ref, xo_ref, w_ref, s_ref, o_ref = refs
+  k = w_ref.shape[1] * (2 if bits == 4 else 1)
+  mp, bn = x_ref.shape[0], w_ref.shape[0]
   dims = (((1,), (1,)), ((), ()))
-  part = (jax.lax.dot_general(xe, lo.astype(xe.dtype), dims, preferred_element_type=jnp.float32)
-          + jax.lax.dot_general(xo, hi.astype(xo.dtype), dims,
-                                preferred_element_type=jnp.float32))
-  o_ref[...] += part * s_ref[...].reshape(1, -1)
+
+  def step(i, acc):
+    if bits == 8:
+      x, w = x_ref[:, pl.ds(i * bk, bk)], w_ref[:, pl.ds(i * bk, bk)]
+      part = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    else:  # low nibbles multiply the even columns of x, high nibbles the odd ones
+      half = bk // 2
+      xe, xo = x_ref[:, pl.ds(i * half, half)], xo_ref[:, pl.ds(i * half, half)]
+      lo, hi = _fields(w_ref[:, pl.ds(i * half, half)])
+      part = (jax.lax.dot_general(xe, lo.astype(xe.dtype), dims,
+                                  preferred_element_type=jnp.float32)
+              + jax.lax.dot_general(xo, hi.astype(xo.dtype), dims,
+                                    preferred_element_type=jnp.float32))
+    if group < k:
+      part = part * s_ref[:, pl.ds(i * bk // group, 1)].reshape(1, bn)
+    return acc + part
+
+  acc = jax.lax.fori_loop(0, k // bk, step, jnp.zeros((mp, bn), jnp.float32))
+  if group == k:
+    acc = acc * s_ref[...].reshape(1, bn)
+  y = acc.astype(o_ref.dtype)
+  if mp == m:
+    o_ref[...] = y
+  else:  # the padding rows stay in registers: the output holds the m rows asked for
+    from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
+    pl_triton.store(o_ref, y, mask=jax.lax.broadcasted_iota(jnp.int32, (mp, bn), 0) < m)
 
 
 def refusal(m: int, n: int, k: int, group: int, bits: int) -> Optional[str]:
@@ -84,8 +99,8 @@ def refusal(m: int, n: int, k: int, group: int, bits: int) -> Optional[str]:
 
 
 def qmm_nk(x_MK, w, scale_NG, *, bits: int, interpret: Optional[bool] = None,
-           platform: Optional[str] = None):
-  """`x @ dequantize(w).T` for codes w (N, K) int8, or (N, K/2) uint8 int4 bytes; f32 result.
+           platform: Optional[str] = None, out_dtype=jnp.float32):
+  """`x @ dequantize(w).T` for codes w (N, K) int8, or (N, K/2) uint8 int4 bytes.
 
   Args:
     x_MK: activations (bf16, f16 or f32), at most MAX_ROWS rows.
@@ -94,17 +109,19 @@ def qmm_nk(x_MK, w, scale_NG, *, bits: int, interpret: Optional[bool] = None,
     bits: 8 or 4.
     interpret: run the Pallas interpreter (default: on CPU).
     platform: the platform to lower for (default: the target's backend).
+    out_dtype: the result's dtype (f32 sums rounded once, in the kernel).
 
   Returns:
-    (M, N) float32.
+    (M, N) in `out_dtype`: the kernel writes the M rows only, not its padding to 16.
   """
   platform = platform or qjax_target.current().backend
   return _qmm_nk(x_MK, w, scale_NG, bits=bits,
-                 interpret=platform == 'cpu' if interpret is None else bool(interpret))
+                 interpret=platform == 'cpu' if interpret is None else bool(interpret),
+                 out_dtype=jnp.dtype(out_dtype))
 
 
-@functools.partial(jax.jit, static_argnames=('bits', 'interpret'))
-def _qmm_nk(x_MK, w, scale_NG, *, bits: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=('bits', 'interpret', 'out_dtype'))
+def _qmm_nk(x_MK, w, scale_NG, *, bits: int, interpret: bool, out_dtype):
   m, k = x_MK.shape
   n = w.shape[0]
   if (w.shape[1] * (2 if bits == 4 else 1)) != k:
@@ -120,25 +137,17 @@ def _qmm_nk(x_MK, w, scale_NG, *, bits: int, interpret: bool):
   x = jnp.pad(x_MK, ((0, mp - m), (0, 0))) if mp != m else x_MK
   if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
     x = x.astype(jnp.float32)
-  s = scale_NG.astype(jnp.float32)
-  grid = (n // bn, k // bk)
-  s_spec = pl.BlockSpec((bn, 1), lambda j, i: (j, i * bk // group))
-  o_spec = pl.BlockSpec((mp, bn), lambda j, i: (0, j))
   params = None
   if not interpret:
     from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
     params = pl_triton.CompilerParams(num_warps=4, num_stages=2)
-  call = functools.partial(pl.pallas_call, grid=grid, interpret=interpret,
-                           compiler_params=params,
-                           out_shape=jax.ShapeDtypeStruct((mp, n), jnp.float32))
-  if bits == 8:
-    y = call(_kernel8, in_specs=[pl.BlockSpec((mp, bk), lambda j, i: (0, i)),
-                                 pl.BlockSpec((bn, bk), lambda j, i: (j, i)), s_spec],
-             out_specs=o_spec)(x, w, s)
-  else:
-    half = bk // 2
-    x_spec = pl.BlockSpec((mp, half), lambda j, i: (0, i))
-    y = call(_kernel4, in_specs=[x_spec, x_spec, pl.BlockSpec((bn, half), lambda j, i: (j, i)),
-                                 s_spec],
-             out_specs=o_spec)(x[:, 0::2], x[:, 1::2], w, s)
-  return y[:m]
+  kw = w.shape[1]
+  x_args = (x,) if bits == 8 else (x[:, 0::2], x[:, 1::2])
+  x_spec = pl.BlockSpec((mp, kw), lambda j: (0, 0))
+  return pl.pallas_call(
+      functools.partial(_kernel, bits=bits, bk=bk, group=group, m=m), grid=(n // bn,),
+      in_specs=[x_spec] * len(x_args) + [pl.BlockSpec((bn, kw), lambda j: (j, 0)),
+                                         pl.BlockSpec((bn, g), lambda j: (j, 0))],
+      out_specs=pl.BlockSpec((mp, bn), lambda j: (0, j)),
+      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+      interpret=interpret, compiler_params=params)(*x_args, w, scale_NG.astype(jnp.float32))

@@ -57,12 +57,20 @@ def test_auto_rows_of_the_table():
   # hand-packed codes on a TPU: the reference, with every refusal in the reason
   c = _pick('BTD,DF->BTF', (1, 1, 256), kn_packed, V5E)
   assert c.path == 'dequant' and 'pallas_tpu:' in c.reason and 'native:' in c.reason
-  # NVIDIA: per-channel codes fuse into XLA's dot; grouped ones take Triton at decode
+  # NVIDIA: per-channel int8 codes fuse into XLA's dot; grouped and int4 ones take Triton at
+  # every row count (at prefill XLA wrote them dequantized), the head at decode rows
   assert _pick('BTD,DF->BTF', (1, 1, 256), _q((256, 256), ch8, 'native'), H200).path == 'native'
-  assert _pick('BTD,DF->BTF', (1, 8, 256), kn_native, H200).path == 'pallas_gpu'
-  assert _pick('BTD,DF->BTF', (1, 512, 256), kn_native, H200).path == 'native'
+  assert _pick('BTD,DF->BTF', (1, 512, 256), _q((256, 256), ch8, 'native'), H200).path == \
+      'native'
   int4_ch = _q((256, 256), int_format(4, channel_axes=(1,)), 'native')
-  assert _pick('BTD,DF->BTF', (1, 8, 256), int4_ch, H200).path == 'pallas_gpu'
+  for rows in (1, 8, 512):
+    assert _pick('BTD,DF->BTF', (1, rows, 256), kn_native, H200).path == 'pallas_gpu'
+    assert _pick('BTD,DF->BTF', (1, rows, 256), int4_ch, H200).path == 'pallas_gpu'
+  head4 = _q((512, 256), int_format(4, group_size=128, channel_axes=(0,), group_axis=1),
+             'native')
+  assert _pick('BTD,VD->BTV', (1, 8, 256), head4, H200).path == 'pallas_gpu'
+  c = _pick('BTD,VD->BTV', (1, 512, 256), head4, H200)
+  assert c.path == 'native' and 'decode shapes' in c.reason
   # quantized activations: one integer dot off CPU
   assert _pick('BTD,DF->BTF', (1, 8, 256), _q((256, 256), ch8), V5E,
                act=int_format(8)).path == 'int_dot'
@@ -99,9 +107,10 @@ def test_named_paths_run_what_they_name_or_say_why():
   with pytest.raises(ValueError, match=r"path='pallas_tpu' cannot run.*zero points"):
     _pick('BTD,DF->BTF', (1, 1, 256), asym, V5E, path='pallas_tpu')
   # a named path with a documented fallback records it as one
-  c = _pick('BTD,DF->BTF', (1, 512, 256), w, H200, path='pallas')
-  assert c.path == 'native' and c.fallback and '512 rows > 64' in c.reason
-  assert not _pick('BTD,DF->BTF', (1, 8, 256), w, H200, path='pallas').fallback
+  c = _pick('BTD,DF->BTF', (1, 512, 256), asym, H200, path='pallas')
+  assert c.path == 'native' and c.fallback and 'not symmetric' in c.reason
+  for rows in (8, 512):
+    assert not _pick('BTD,DF->BTF', (1, rows, 256), w, H200, path='pallas').fallback
 
 
 def test_a_fallback_is_logged_once(caplog):

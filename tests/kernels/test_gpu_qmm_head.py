@@ -12,7 +12,10 @@ RNG = np.random.default_rng(1)
 
 
 @pytest.mark.parametrize('bits,m,n,k,group', [(4, 1, 256, 512, 128), (4, 3, 384, 256, 256),
-                                              (8, 2, 256, 512, 64), (8, 17, 128, 256, 256)])
+                                              (8, 2, 256, 512, 64), (8, 17, 128, 256, 256),
+                                              # K = 640 (Gemma 3's width): 5 groups, or
+                                              # per channel in blocks of 128; 16 rows: no pad
+                                              (4, 16, 256, 640, 128), (8, 8, 128, 640, 640)])
 def test_matches_float64(bits, m, n, k, group):
   x = RNG.standard_normal((m, k)).astype(np.float32)
   qmax = 7 if bits == 4 else 127
@@ -32,3 +35,21 @@ def test_refusals_name_the_reason():
   assert 'decode shapes' in gpu_qmm_head.refusal(65, 256, 256, 128, 4)
   assert 'power-of-two' in gpu_qmm_head.refusal(1, 100, 256, 128, 4)
   assert gpu_qmm_head.refusal(8, 128256, 2048, 128, 4) is None
+
+
+def test_bf16_logits_and_the_cuda_lowering(abstract_gpu):
+  import functools  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  x = jnp.asarray(RNG.standard_normal((3, 256)), jnp.bfloat16)
+  w = jnp.asarray(RNG.integers(0, 256, (128, 128)), jnp.uint8)
+  s = jnp.asarray(RNG.random((128, 2)) + .5, jnp.float32)
+  y32 = gpu_qmm_head.qmm_nk(x, w, s, bits=4, interpret=True)
+  y16 = gpu_qmm_head.qmm_nk(x, w, s, bits=4, interpret=True, out_dtype=jnp.bfloat16)
+  assert y16.shape == (3, 128) and y16.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(y16, y32.astype(jnp.bfloat16))  # the f32 sums rounded once
+  f = functools.partial(gpu_qmm_head.qmm_nk, bits=4, interpret=False, platform='cuda')
+  exported = jax.export.export(
+      jax.jit(f), platforms=['cuda'],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call('__gpu$xla.gpu.triton')])(
+          x, w, s)
+  assert exported.out_avals[0].shape == (3, 128)  # the masked write: no padding rows

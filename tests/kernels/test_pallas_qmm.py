@@ -32,7 +32,7 @@ def _ref64(x, q):
                          ids=lambda f: f.name)
 def test_matches_float64_reference_at_decode_rows(fmt):
   q = quantize(W_DF, fmt)
-  for m in (1, 64):
+  for m in (1, 64, 200):  # decode rows, and prefill rows in blocks (the last one padded)
     x = jax.random.normal(K[1], (m, 256))
     y = qjax.qdot(x, q, path='pallas')
     assert y.shape == (m, 128) and y.dtype == jnp.float32
@@ -70,8 +70,7 @@ def test_what_the_kernel_does_not_take_raises_or_takes_the_auto_path():
   head = quantize(W_DF.T, int_format(8, channel_axes=(0,)))
   q8 = quantize(W_DF, int_format(8, channel_axes=(1,)))
   for spec, xx, w, match in [('BD,DF->BF', x, asym, 'not symmetric int8 / int4'),
-                             ('BD,VD->BV', x, head, r'not x \(M, K\) @ w'),
-                             ('BD,DF->BF', jnp.ones((65, 256)), q8, '65 rows is not a decode')]:
+                             ('BD,VD->BV', x, head, r'not x \(M, K\) @ w')]:
     with pytest.raises(ValueError, match=match):
       pallas_path.pallas_einsum(*spec.replace('->', ',').split(','), xx, w, jnp.float32)
     # qeinsum(path='pallas') gives them to the weight-only 'auto' path instead.
@@ -92,11 +91,25 @@ def test_native_int4_codes_are_the_packed_bytes():
   np.testing.assert_allclose(y, x @ packed.dequantize(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('bits', [8, 4])
-def test_lowers_to_triton_for_a_gpu_without_one(bits, abstract_gpu):
+def test_groups_wider_than_a_block_and_the_output_dtype():
+  # groups of 256 rows walk K in blocks of 128 (two blocks per scale row); bf16 out of the
+  # kernel is its f32 sums rounded once
+  w = jax.random.normal(K[2], (512, 256)) / 16
+  q = quantize(w, int_format(4, group_size=256, channel_axes=(1,)))
+  x = jax.random.normal(K[1], (130, 512)).astype(jnp.bfloat16)
+  ref = _ref64(x.astype(jnp.float32), q)
+  y = pallas_qmm.qmm(x, q.data, q.scale, bits=4, out_dtype=jnp.bfloat16)
+  assert y.dtype == jnp.bfloat16 and y.shape == (130, 256)
+  np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-2, atol=1e-2)
+  y32 = pallas_qmm.qmm(x, q.data, q.scale, bits=4)
+  np.testing.assert_array_equal(y, y32.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize('bits,rows', [(8, 16), (4, 16), (4, 512)])
+def test_lowers_to_triton_for_a_gpu_without_one(bits, rows, abstract_gpu):
   """The kernel's GPU lowering (Pallas -> Triton IR in an XLA custom call), checked by
   `jax.export` for platform 'cuda' on any machine; PTX compilation happens on the device."""
-  x = jax.ShapeDtypeStruct((16, 256), jnp.bfloat16)
+  x = jax.ShapeDtypeStruct((rows, 256), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((256, 256 if bits == 8 else 128), jnp.int8 if bits == 8 else jnp.uint8)
   s = jax.ShapeDtypeStruct((2, 256), jnp.float32)
   f = functools.partial(pallas_qmm.qmm, bits=bits, interpret=False, platform='cuda')
@@ -105,4 +118,4 @@ def test_lowers_to_triton_for_a_gpu_without_one(bits, abstract_gpu):
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call('__gpu$xla.gpu.triton')])(
           x, w, s)
   assert 'xla.gpu.triton' in exported.mlir_module()
-  assert exported.out_avals[0].shape == (16, 256)
+  assert exported.out_avals[0].shape == (rows, 256)

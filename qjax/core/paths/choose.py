@@ -37,11 +37,12 @@ AUTO = {
     ('rocm', 'float'): ('native', 'dequant'),
     ('rocm', 'quantized'): ('int_dot', 'dequant'),
 }
-# NVIDIA, weight-only, grouped or int4 codes: the Triton kernels go first where they fit
-# (decode rows). XLA:GPU writes a grouped weight dequantized unless the subchannel
-# dequantisation fusion flag is set (process-wide: a traced function cannot set it), and on a
-# compile-only H200 it converted per-channel int4 gate and up weights to bf16 at batch 8 to
-# fuse their two dots into one GEMM (docs/quantized_matmul.md).
+# NVIDIA, weight-only, grouped or int4 codes: the Triton kernels go first where they fit (the
+# projections at any number of rows, the tied head at decode rows). XLA:GPU writes a grouped
+# weight dequantized unless the subchannel dequantisation fusion flag is set (process-wide: a
+# traced function cannot set it), and on a compile-only H200 it converted per-channel int4
+# gate and up weights to bf16 (at batch 8, and at a 512-token prefill) to fuse their two dots
+# into one GEMM (docs/quantized_matmul.md).
 AUTO_NVIDIA_KERNEL_FIRST = ('pallas_gpu', 'native', 'dequant')
 
 # A named path: what it may run, in order: itself, then the fallbacks its docs promise.

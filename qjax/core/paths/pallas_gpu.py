@@ -1,13 +1,13 @@
-"""Path 'pallas_gpu': the Pallas kernel `qjax.kernels.pallas_qmm` (Triton on GPU), at decode.
+"""Path 'pallas_gpu': the Pallas kernels `qjax.kernels.pallas_qmm` and `gpu_qmm_head` (Triton).
 
 Fits: weight-only; symmetric int8, packed int4 or native int4 codes (bitcast to the same
 bytes); weight (contracted..., kept...) with groups that are runs of the flattened contraction
-(`qjax.kernels.pallas_qmm`), or the tied head (V, D) with groups along D
-(`qjax.kernels.gpu_qmm_head`); at most 64 rows. Not on a TPU, where 'pallas_tpu' is the
+(`qjax.kernels.pallas_qmm`) at any number of rows, or the tied head (V, D) with groups along D
+(`qjax.kernels.gpu_qmm_head`) at most 64 rows. Not on a TPU, where 'pallas_tpu' is the
 Mosaic kernel.
-Runs: blocks of codes widened in registers, one group per block of K with its scales applied
-to the block's product, f32 accumulation (`qjax.core.pallas_path`); interpret mode on a CPU
-target.
+Runs: blocks of codes widened in registers, each block of K inside one group with its scales
+applied to the block's product, f32 accumulation, the output written once in its dtype
+(`qjax.core.pallas_path`); interpret mode on a CPU target.
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def run(call: Call, x, w, out_dtype, *, target, asked: bool):
   if call.qtype.native_int4:  # XLA's s4 bytes are qjax's packing (`pallas_path`)
     data = lax.bitcast_convert_type(data.reshape(v, d // 2, 2), jnp.uint8)
   scale = jnp.broadcast_to(w.scale, (v, w.scale.shape[1]))
-  y2 = gpu_qmm_head.qmm_nk(x2, data, scale, bits=call.qtype.bits)
+  kernel_out = (out_dtype if jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float16, jnp.float32)
+                else jnp.float32)
+  y2 = gpu_qmm_head.qmm_nk(x2, data, scale, bits=call.qtype.bits, out_dtype=kernel_out)
   y = y2.reshape(tuple(x.shape[xs.index(c)] for c in x_only) + (v,))
   letters = ''.join(x_only) + ws[0]
   return y.transpose([letters.index(c) for c in out]).astype(out_dtype)
