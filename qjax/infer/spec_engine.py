@@ -87,13 +87,8 @@ class SpeculativeDecoding:
         max_pages=runner.max_pages, fmt=kv_format(draft))
     dgraph, self.dstate = nnx.split(draft)
     self.dgraph = StaticGraphdef(dgraph)  # hashed once, not on every call
-    self.counts = dict(rounds=0, tokens=0, reached_G=np.zeros(gamma, np.int64),
-                       accepted_G=np.zeros(gamma, np.int64), beta_sum_G=np.zeros(gamma))
-
-  @property
-  def stats(self) -> SpecStats:
-    """Acceptance statistics of the rounds so far (row-rounds; plain steps not counted)."""
-    return SpecStats(gamma=self.gamma, **self.counts)
+    # Acceptance statistics of the rounds so far (row-rounds; plain steps not counted).
+    self.stats = SpecStats.from_sums(gamma)
 
   def check(self, seq) -> None:
     """Refuse a request the rounds cannot serve."""
@@ -157,13 +152,7 @@ class SpeculativeDecoding:
         self.dcache, loop, params)
     tok_BW, num_B, steps, sums = r.fetch((out.tok_BW, out.num_B, out.steps, sums))
     t0 = time.perf_counter()
-    c = self.counts
-    for row in range(len(rows)):  # row by row, as one round per step books them
-      c['beta_sum_G'] += sums['beta_BG'][row]
-    c['rounds'] += int(sums['rounds_B'].sum())
-    c['tokens'] += int(sums['tokens_B'].sum())
-    c['reached_G'] += sums['reached_BG'].sum(0)
-    c['accepted_G'] += sums['accepted_BG'].sum(0)
+    self.stats += SpecStats.from_sums(g, sums)
     events = r.booking.book(rows, [1] * len(rows), tok_BW, num_B, steps=int(steps))
     r.stats.host_s += time.perf_counter() - t0
     return events

@@ -105,6 +105,29 @@ class SpecStats:
     """Leviathan et al.'s (1 - alpha^(gamma+1)) / (1 - alpha) at the measured alpha."""
     return float(speculative_core.expected_tokens_per_pass(self.alpha, self.gamma))
 
+  @classmethod
+  def from_sums(cls, gamma: int, sums: Optional[dict] = None) -> 'SpecStats':
+    """The statistics of per-row sums of rounds (`spec_round.zero_stats`'s fields, host
+    arrays, rows along axis 0), or of no round (None)."""
+    if sums is None:
+      return cls(gamma=gamma, rounds=0, tokens=0, reached_G=np.zeros(gamma, np.int64),
+                 accepted_G=np.zeros(gamma, np.int64), beta_sum_G=np.zeros(gamma))
+    total = {k: np.sum(v, axis=0, dtype=np.float64 if v.dtype.kind == 'f' else np.int64)
+             for k, v in sums.items()}
+    return cls(gamma=gamma, rounds=int(total['rounds_B']), tokens=int(total['tokens_B']),
+               reached_G=total['reached_BG'], accepted_G=total['accepted_BG'],
+               beta_sum_G=total['beta_BG'], kl_sum_G=total.get('kl_BG'))
+
+  def __add__(self, other: 'SpecStats') -> 'SpecStats':
+    """The statistics of both runs of rounds together (the same gamma)."""
+    add = lambda a, b: b if a is None else a if b is None else a + b
+    return SpecStats(gamma=self.gamma, rounds=self.rounds + other.rounds,
+                     tokens=self.tokens + other.tokens,
+                     reached_G=self.reached_G + other.reached_G,
+                     accepted_G=self.accepted_G + other.accepted_G,
+                     beta_sum_G=self.beta_sum_G + other.beta_sum_G,
+                     kl_sum_G=add(self.kl_sum_G, other.kl_sum_G))
+
   def row(self) -> dict:
     """The headline numbers as a flat dict (a sweep row)."""
     return dict(gamma=self.gamma, alpha=self.alpha, alpha_tv=self.alpha_tv,
@@ -222,13 +245,13 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
                                forward=kvcache.forward, measure_kl=True)
   tgraph, tstate = split_for_decode(target)
   dgraph, dstate = split_for_decode(draft)
-  totals, rows = None, [[] for _ in range(b)]
+  spec, rows = SpecStats.from_sums(gamma), [[] for _ in range(b)]
   for _ in range(-(-max_tokens // rounds_per_dispatch)):  # every live row emits >= 1 a round
     out, tcache, dcache, stats = spec_round.rounds(tgraph, tstate, dgraph, dstate, how,
                                                    tcache, dcache, loop, batch)
     loop = out.state
     tok_BW, num_B, live_B, stats = jax.device_get((out.tok_BW, out.num_B, loop.live_B, stats))
-    totals = stats if totals is None else jax.tree.map(np.add, totals, stats)
+    spec += SpecStats.from_sums(gamma, stats)
     for row, toks, num in zip(rows, tok_BW, num_B):
       row.extend(toks[:num].tolist())
     if not live_B.any():
@@ -243,11 +266,6 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
   for i, row in enumerate(rows):
     out_BN[i, :len(row)] = row
     out_BN[i, len(row):max_tokens] = row[-1]  # after a stop token, repeat it (one width)
-  spec = SpecStats(gamma=gamma, rounds=int(totals['rounds_B'].sum()),
-                   tokens=int(totals['tokens_B'].sum()),
-                   reached_G=totals['reached_BG'].sum(0),
-                   accepted_G=totals['accepted_BG'].sum(0),
-                   beta_sum_G=totals['beta_BG'].sum(0), kl_sum_G=totals['kl_BG'].sum(0))
   tokens = jnp.concatenate([prompt_BT, jnp.asarray(out_BN[:, :max_tokens])], axis=1)
   if not return_state:
     return tokens, spec
