@@ -171,9 +171,10 @@ class SpeculativeEngine(Engine):
       config: as `Engine` (ring pages are turned off; preemption must be 'recompute').
       tokenizer: as `Engine`.
       gamma: draft tokens per round (>= 1).
-      rounds_per_dispatch: R, the most rounds one dispatch runs while every row goes on
+      rounds_per_dispatch: the most rounds one dispatch runs while every row goes on
         (pages are reserved for all of them); the host reads the tokens once per dispatch.
-        The rounds, and so the tokens, are those of R = 1 unless pages run short.
+        The rounds, and so the tokens, are those of one round per dispatch unless pages run
+        short.
     """
     check_compatible(model, draft, gamma)
     rounds = validate.count(rounds_per_dispatch, 'rounds_per_dispatch', 'SpeculativeEngine')

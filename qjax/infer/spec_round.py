@@ -1,7 +1,7 @@
 """One draft-verify round of speculative decoding, written once for every cache that has a
 `forward`.
 
-    how = RoundConfig(gamma=4, block=R, forward=kvcache.forward)   # or paged.forward
+    how = RoundConfig(gamma=4, block=8, forward=kvcache.forward)   # or paged.forward
     decoded, tcache, dcache, sums = rounds(tgraph, tstate, dgraph, dstate, how,
                                            tcache, dcache, loop, params)
 
@@ -64,7 +64,7 @@ class RoundConfig:
     room: a row stays live while it has more than `room` tokens left (`run_block`); 0 lets
       a round emit past a row's limit (the caller cuts).
     stop_early: end the dispatch once some row stopped.
-    measure_kl: also sum KL(emitted law || target law) per draft position (`kl_BG`).
+    measure_kl: also sum KL(emitted law || target law) per draft position (`kl_BA`).
   """
 
   gamma: int
@@ -80,7 +80,7 @@ def _set_length(cache, length_B):
 
 
 def draft_tokens(draft, forward: Forward, gamma: int, dcache, cur_B, live_B, gen_B, params):
-  """The draft's gamma proposals per row: (draft_BG, q_BGV, finite_B, dcache); finite_B says
+  """The draft's gamma proposals per row: (draft_BA, q_BAV, finite_B, dcache); finite_B says
   whether the first step's logits (of the row's own context) were finite."""
 
   def step(carry, i):
@@ -92,15 +92,15 @@ def draft_tokens(draft, forward: Forward, gamma: int, dcache, cur_B, live_B, gen
     new_B = jax.vmap(jax.random.categorical)(keys_B, q_logp_BV).astype(jnp.int32)
     return (dcache, new_B), (new_B, q_logp_BV, validate.finite_rows(logits_BV))
 
-  (dcache, _), (d_GB, q_GBV, finite_GB) = lax.scan(step, (dcache, cur_B), jnp.arange(gamma))
-  return d_GB.swapaxes(0, 1), q_GBV.swapaxes(0, 1), finite_GB[0], dcache
+  (dcache, _), (d_AB, q_ABV, finite_AB) = lax.scan(step, (dcache, cur_B), jnp.arange(gamma))
+  return d_AB.swapaxes(0, 1), q_ABV.swapaxes(0, 1), finite_AB[0], dcache
 
 
-def verify_round(logits_BXV, q_BGV, draft_BG, params, gen_B, draft_finite_B):
+def verify_round(logits_BXV, q_BAV, draft_BA, params, gen_B, draft_finite_B):
   """Verify a round's gamma draft tokens against the target's logits over [cur, drafts]
   (`speculative_core.verify` on the processed distributions, with the acceptance and final
   streams of each row's keys at its round start gen_B). Returns (num_acc_B, tokens_BX,
-  beta_BG, p_BXV); a row whose target logits at a position it used (the accepted prefix and
+  beta_BA, p_BXV); a row whose target logits at a position it used (the accepted prefix and
   the final draw), or whose first draft logits (`draft_finite_B`, of the row's own context),
   were not finite gets NON_FINITE as its first token, which ends it (never a draw from NaN).
   Non-finite logits after a draft token the target rejects belong to that proposal, not to
@@ -109,17 +109,17 @@ def verify_round(logits_BXV, q_BGV, draft_BG, params, gen_B, draft_finite_B):
   b, x = logits_BXV.shape[:2]
   p_BXV = processed_logits(logits_BXV.reshape(b * x, -1),
                            jax.tree.map(lambda a: jnp.repeat(a, x), params)).reshape(b, x, -1)
-  uniform_BG = jax.vmap(lambda k: jax.random.uniform(k, (x - 1,)))(
+  uniform_BA = jax.vmap(lambda k: jax.random.uniform(k, (x - 1,)))(
       row_keys(params.seed_B, gen_B, _ACCEPT))
   # (The uniforms and final key are per round start gen_B: a key is reused only by a later
   # round at the same output position, whose history never depended on it.)
-  num_acc_B, tokens_BX, beta_BG = speculative_core.verify(
-      p_BXV, q_BGV, draft_BG, uniform_BG, row_keys(params.seed_B, gen_B, _FINAL))
+  num_acc_B, tokens_BX, beta_BA = speculative_core.verify(
+      p_BXV, q_BAV, draft_BA, uniform_BA, row_keys(params.seed_B, gen_B, _FINAL))
   finite_BX = validate.finite_rows(logits_BXV.reshape(b * x, -1)).reshape(b, x)
   used_BX = jnp.arange(x)[None] <= num_acc_B[:, None]
   finite_B = jnp.all(finite_BX | ~used_BX, axis=1) & draft_finite_B
   tokens_BX = tokens_BX.at[:, 0].set(jnp.where(finite_B, tokens_BX[:, 0], validate.NON_FINITE))
-  return num_acc_B, tokens_BX, beta_BG, p_BXV
+  return num_acc_B, tokens_BX, beta_BA, p_BXV
 
 
 def one_round(target, draft, how: RoundConfig, params, loop: LoopState, tcache, dcache):
@@ -132,45 +132,45 @@ def one_round(target, draft, how: RoundConfig, params, loop: LoopState, tcache, 
   feed_B = live_B.astype(jnp.int32)
   length_B = tcache.length
   dcache = _set_length(dcache, length_B)  # the draft holds the target's positions
-  draft_BG, q_BGV, draft_finite_B, dcache = draft_tokens(
+  draft_BA, q_BAV, draft_finite_B, dcache = draft_tokens(
       draft, forward, gamma, dcache, cur_B, feed_B, gen_B, params)
-  x_BXD, tcache = forward(target, jnp.concatenate([cur_B[:, None], draft_BG], axis=1),
+  x_BXD, tcache = forward(target, jnp.concatenate([cur_B[:, None], draft_BA], axis=1),
                           tcache, (gamma + 1) * feed_B)
-  num_acc_B, tokens_BX, beta_BG, p_BXV = verify_round(
-      target.logits(x_BXD), q_BGV, draft_BG, params, gen_B, draft_finite_B)
+  num_acc_B, tokens_BX, beta_BA, p_BXV = verify_round(
+      target.logits(x_BXD), q_BAV, draft_BA, params, gen_B, draft_finite_B)
   ok_B = live_B & (tokens_BX[:, 0] >= 0)
   num_acc_B = jnp.where(ok_B, num_acc_B, 0)  # a non-finite row keeps one position at most
   # Rows that accepted every proposal need d_gamma in the draft's cache too.
   full_B = ok_B & (num_acc_B == gamma)
-  feed_last = lambda c: forward(draft, draft_BG[:, -1:], c, full_B.astype(jnp.int32))[1]
+  feed_last = lambda c: forward(draft, draft_BA[:, -1:], c, full_B.astype(jnp.int32))[1]
   dcache = lax.cond(jnp.any(full_B), feed_last, lambda c: c, dcache)
   new_length_B = length_B + feed_B * (num_acc_B + 1)
   tcache, dcache = _set_length(tcache, new_length_B), _set_length(dcache, new_length_B)
 
-  g_G = jnp.arange(gamma)
-  reached_BG = (g_G <= num_acc_B[:, None]) & ok_B[:, None]
+  pos_A = jnp.arange(gamma)
+  reached_BA = (pos_A <= num_acc_B[:, None]) & ok_B[:, None]
   stats = dict(rounds_B=ok_B.astype(jnp.int32), tokens_B=jnp.where(ok_B, num_acc_B + 1, 0),
-               reached_BG=reached_BG.astype(jnp.int32),
-               accepted_BG=((g_G < num_acc_B[:, None]) & ok_B[:, None]).astype(jnp.int32),
-               beta_BG=jnp.where(reached_BG, beta_BG, 0.0))
+               reached_BA=reached_BA.astype(jnp.int32),
+               accepted_BA=((pos_A < num_acc_B[:, None]) & ok_B[:, None]).astype(jnp.int32),
+               beta_BA=jnp.where(reached_BA, beta_BA, 0.0))
   if how.measure_kl:
-    p_BGV = p_BXV[:, :gamma]
-    kl_BG = speculative_core.kl_divergence(
-        speculative_core.emitted_distribution(p_BGV, q_BGV), p_BGV)
-    stats['kl_BG'] = jnp.where(reached_BG, kl_BG, 0.0)
+    p_BAV = p_BXV[:, :gamma]
+    kl_BA = speculative_core.kl_divergence(
+        speculative_core.emitted_distribution(p_BAV, q_BAV), p_BAV)
+    stats['kl_BA'] = jnp.where(reached_BA, kl_BA, 0.0)
   return tokens_BX, num_acc_B + 1, tcache, dcache, stats
 
 
 def zero_stats(b: int, how: RoundConfig) -> dict:
   """Per-row sums of `one_round`'s statistics, all zero: rounds_B, tokens_B (emitted),
-  reached_BG and accepted_BG (per draft position), beta_BG (1 - TV(p, q) summed over the
-  reached positions) and, with `measure_kl`, kl_BG."""
+  reached_BA and accepted_BA (per draft position), beta_BA (1 - TV(p, q) summed over the
+  reached positions) and, with `measure_kl`, kl_BA."""
   zeros = lambda *shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
   g = how.gamma
-  out = dict(rounds_B=zeros(b), tokens_B=zeros(b), reached_BG=zeros(b, g),
-             accepted_BG=zeros(b, g), beta_BG=zeros(b, g, dtype=jnp.float32))
+  out = dict(rounds_B=zeros(b), tokens_B=zeros(b), reached_BA=zeros(b, g),
+             accepted_BA=zeros(b, g), beta_BA=zeros(b, g, dtype=jnp.float32))
   if how.measure_kl:
-    out['kl_BG'] = zeros(b, g, dtype=jnp.float32)
+    out['kl_BA'] = zeros(b, g, dtype=jnp.float32)
   return out
 
 

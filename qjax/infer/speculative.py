@@ -54,10 +54,10 @@ class SpecStats:
     gamma: draft tokens per round.
     rounds: target verification passes summed over rows (prefill not counted).
     tokens: tokens emitted by those passes (before cutting to max_tokens).
-    reached_G: per draft position, how often a round reached it (all before it accepted).
-    accepted_G: per draft position, how often it was accepted.
-    beta_sum_G: per draft position, the sum of 1 - TV(p, q) over the rounds that reached it.
-    kl_sum_G: per draft position, the sum over reached rounds of KL(emitted law || p), the
+    reached_A: per draft position, how often a round reached it (all before it accepted).
+    accepted_A: per draft position, how often it was accepted.
+    beta_sum_A: per draft position, the sum of 1 - TV(p, q) over the rounds that reached it.
+    kl_sum_A: per draft position, the sum over reached rounds of KL(emitted law || p), the
       emitted law computed from p and q (`speculative_core.emitted_distribution`); 0 up to
       float rounding when the verification is exact. None where not measured.
   """
@@ -65,31 +65,31 @@ class SpecStats:
   gamma: int
   rounds: int
   tokens: int
-  reached_G: np.ndarray
-  accepted_G: np.ndarray
-  beta_sum_G: np.ndarray
-  kl_sum_G: Optional[np.ndarray] = None
+  reached_A: np.ndarray
+  accepted_A: np.ndarray
+  beta_sum_A: np.ndarray
+  kl_sum_A: Optional[np.ndarray] = None
 
   @property
   def acceptance_by_position(self) -> np.ndarray:
-    return self.accepted_G / np.maximum(self.reached_G, 1)
+    return self.accepted_A / np.maximum(self.reached_A, 1)
 
   @property
   def alpha(self) -> float:
     """Measured per-position acceptance rate: accepted / reached over all positions."""
-    return float(self.accepted_G.sum() / max(self.reached_G.sum(), 1))
+    return float(self.accepted_A.sum() / max(self.reached_A.sum(), 1))
 
   @property
   def alpha_tv(self) -> float:
     """The same estimated from the distributions: mean of 1 - TV(p, q) at reached positions."""
-    return float(self.beta_sum_G.sum() / max(self.reached_G.sum(), 1))
+    return float(self.beta_sum_A.sum() / max(self.reached_A.sum(), 1))
 
   @property
   def kl_exact(self) -> float:
     """Mean KL(emitted law || target law) over reached positions (nan when not measured)."""
-    if self.kl_sum_G is None:
+    if self.kl_sum_A is None:
       return float('nan')
-    return float(self.kl_sum_G.sum() / max(self.reached_G.sum(), 1))
+    return float(self.kl_sum_A.sum() / max(self.reached_A.sum(), 1))
 
   @property
   def tokens_per_pass(self) -> float:
@@ -110,23 +110,23 @@ class SpecStats:
     """The statistics of per-row sums of rounds (`spec_round.zero_stats`'s fields, host
     arrays, rows along axis 0), or of no round (None)."""
     if sums is None:
-      return cls(gamma=gamma, rounds=0, tokens=0, reached_G=np.zeros(gamma, np.int64),
-                 accepted_G=np.zeros(gamma, np.int64), beta_sum_G=np.zeros(gamma))
+      return cls(gamma=gamma, rounds=0, tokens=0, reached_A=np.zeros(gamma, np.int64),
+                 accepted_A=np.zeros(gamma, np.int64), beta_sum_A=np.zeros(gamma))
     total = {k: np.sum(v, axis=0, dtype=np.float64 if v.dtype.kind == 'f' else np.int64)
              for k, v in sums.items()}
     return cls(gamma=gamma, rounds=int(total['rounds_B']), tokens=int(total['tokens_B']),
-               reached_G=total['reached_BG'], accepted_G=total['accepted_BG'],
-               beta_sum_G=total['beta_BG'], kl_sum_G=total.get('kl_BG'))
+               reached_A=total['reached_BA'], accepted_A=total['accepted_BA'],
+               beta_sum_A=total['beta_BA'], kl_sum_A=total.get('kl_BA'))
 
   def __add__(self, other: 'SpecStats') -> 'SpecStats':
     """The statistics of both runs of rounds together (the same gamma)."""
     add = lambda a, b: b if a is None else a if b is None else a + b
     return SpecStats(gamma=self.gamma, rounds=self.rounds + other.rounds,
                      tokens=self.tokens + other.tokens,
-                     reached_G=self.reached_G + other.reached_G,
-                     accepted_G=self.accepted_G + other.accepted_G,
-                     beta_sum_G=self.beta_sum_G + other.beta_sum_G,
-                     kl_sum_G=add(self.kl_sum_G, other.kl_sum_G))
+                     reached_A=self.reached_A + other.reached_A,
+                     accepted_A=self.accepted_A + other.accepted_A,
+                     beta_sum_A=self.beta_sum_A + other.beta_sum_A,
+                     kl_sum_A=add(self.kl_sum_A, other.kl_sum_A))
 
   def row(self) -> dict:
     """The headline numbers as a flat dict (a sweep row)."""
@@ -200,7 +200,7 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
     gamma: draft tokens per target pass (>= 1).
     target_tokenizer, draft_tokenizer: optional; checked to map tokens to the same ids.
     return_state: also return the final state (dict: 'tcache', 'dcache', 'cur_B', 'gen_B',
-      'out_BN'), e.g. to check the caches (each holds every token but `cur_B`).
+      'out_BO'), e.g. to check the caches (each holds every token but `cur_B`).
     rounds_per_dispatch: rounds run on the device per dispatch (a `lax.while_loop`; it stops
       once every row is done); the host reads the done flags and stats once per dispatch.
       The tokens do not depend on it.
@@ -262,12 +262,12 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
         f'speculative_generate: the target or draft logits of row {bad[0]} are not finite '
         "(NaN or inf), so no token can be chosen; check both models' weights for NaN/inf "
         '(e.g. jnp.isfinite on every parameter).')
-  out_BN = np.zeros((b, max_tokens + gamma + 1), np.int32)
+  out_BO = np.zeros((b, max_tokens + gamma + 1), np.int32)
   for i, row in enumerate(rows):
-    out_BN[i, :len(row)] = row
-    out_BN[i, len(row):max_tokens] = row[-1]  # after a stop token, repeat it (one width)
-  tokens = jnp.concatenate([prompt_BT, jnp.asarray(out_BN[:, :max_tokens])], axis=1)
+    out_BO[i, :len(row)] = row
+    out_BO[i, len(row):max_tokens] = row[-1]  # after a stop token, repeat it (one width)
+  tokens = jnp.concatenate([prompt_BT, jnp.asarray(out_BO[:, :max_tokens])], axis=1)
   if not return_state:
     return tokens, spec
   return tokens, spec, dict(tcache=tcache, dcache=dcache, cur_B=loop.tok_B,
-                            gen_B=loop.count_B, out_BN=out_BN)
+                            gen_B=loop.count_B, out_BO=out_BO)

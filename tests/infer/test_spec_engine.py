@@ -32,7 +32,7 @@ def test_greedy_rounds_equal_plain_decoding_with_per_row_accepted_lengths():
   # The 1-layer draft agrees with the 2-layer target only sometimes: rounds end at
   # different draft positions, so rows advance by different lengths.
   assert st.rounds > 0 and 0 < st.alpha < 1
-  assert st.accepted_G[0] > 0 and st.reached_G[0] > st.accepted_G[0]
+  assert st.accepted_A[0] > 0 and st.reached_A[0] > st.accepted_A[0]
   assert 1 < st.tokens_per_pass < 4
   assert engine.stats.steps < plain.stats.steps  # fewer target passes for the same tokens
   assert engine.allocator.num_free == 31
@@ -78,8 +78,8 @@ def test_several_rounds_per_dispatch_give_the_tokens_of_one(model):
   assert got == want
   st, st1 = engine.spec_stats, one.spec_stats
   assert st.rounds == st1.rounds and st.tokens == st1.tokens
-  np.testing.assert_array_equal(st.accepted_G, st1.accepted_G)
-  np.testing.assert_allclose(st.beta_sum_G, st1.beta_sum_G, rtol=1e-5)
+  np.testing.assert_array_equal(st.accepted_A, st1.accepted_A)
+  np.testing.assert_allclose(st.beta_sum_A, st1.beta_sum_A, rtol=1e-5)
   assert engine.stats.steps == one.stats.steps  # the same rounds, fewer dispatches
   assert engine.stats.dispatches < one.stats.dispatches
   with pytest.raises(ValueError, match='rounds_per_dispatch=0'):

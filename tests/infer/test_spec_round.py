@@ -87,4 +87,4 @@ def test_one_round_program_over_either_cache(models, temperature):
   (tok_flat, num_flat, sums_flat), (tok_paged, num_paged, sums_paged) = got
   np.testing.assert_array_equal(num_flat, num_paged)
   np.testing.assert_array_equal(tok_flat, tok_paged)
-  np.testing.assert_array_equal(sums_flat['accepted_BG'], sums_paged['accepted_BG'])
+  np.testing.assert_array_equal(sums_flat['accepted_BA'], sums_paged['accepted_BA'])

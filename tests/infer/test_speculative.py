@@ -108,14 +108,14 @@ def test_speculative_sampling_is_exact_with_top_k_and_top_p(target, other, sampl
 
 def test_measured_alpha_agrees_with_the_tv_estimate(sampled_run):
   *_, st, _ = sampled_run
-  sigma = np.sqrt(st.alpha * (1 - st.alpha) / st.reached_G.sum())
+  sigma = np.sqrt(st.alpha * (1 - st.alpha) / st.reached_A.sum())
   assert abs(st.alpha - st.alpha_tv) < 4 * sigma + 1e-3, (st.alpha, st.alpha_tv, sigma)
 
 
 def test_caches_after_rollback_give_the_logits_of_a_fresh_forward(target, other, sampled_run):
   """Both caches hold every emitted token but the last, whatever the rows accepted."""
   prompt, _, _, _, state = sampled_run
-  gen_B, out_BN = np.asarray(state['gen_B']), np.asarray(state['out_BN'])
+  gen_B, out_BO = np.asarray(state['gen_B']), np.asarray(state['out_BO'])
   cur_B1 = state['cur_B'][:, None]
   t_logits_B1V, _ = logits_step(target, cur_B1, state['tcache'])
   d_logits_B1V, _ = logits_step(other, cur_B1, state['dcache'])
@@ -125,9 +125,9 @@ def test_caches_after_rollback_give_the_logits_of_a_fresh_forward(target, other,
   assert len(rows) >= 2, rows
   rows = sorted(rows.values())
   # Right-padded to one width: causal logits at a row's last token ignore the padding.
-  seqs = np.zeros((len(rows), prompt.shape[1] + out_BN.shape[1]), np.int32)
+  seqs = np.zeros((len(rows), prompt.shape[1] + out_BO.shape[1]), np.int32)
   for i, b in enumerate(rows):
-    seqs[i] = np.concatenate([np.asarray(prompt[0]), out_BN[b]])
+    seqs[i] = np.concatenate([np.asarray(prompt[0]), out_BO[b]])
   last = prompt.shape[1] + gen_B[rows] - 1
   for model, logits_B1V in ((target, t_logits_B1V), (other, d_logits_B1V)):
     fresh_V = np.asarray(_forward(model, jnp.asarray(seqs)))[np.arange(len(rows)), last]
@@ -139,9 +139,9 @@ def _synthetic(b, g, p_V, q_V, seed):
   k_draft, k_u, k_final = jax.random.split(jax.random.key(seed), 3)
   p_logp = jnp.broadcast_to(jnp.log(jnp.asarray(p_V, jnp.float32)), (b, g + 1, len(p_V)))
   q_logp = jnp.broadcast_to(jnp.log(jnp.asarray(q_V, jnp.float32)), (b, g, len(q_V)))
-  draft_BG = jax.random.categorical(k_draft, q_logp).astype(jnp.int32)
-  uniform_BG = jax.random.uniform(k_u, (b, g))
-  return _verify(p_logp, q_logp, draft_BG, uniform_BG, jax.random.split(k_final, b))
+  draft_BA = jax.random.categorical(k_draft, q_logp).astype(jnp.int32)
+  uniform_BA = jax.random.uniform(k_u, (b, g))
+  return _verify(p_logp, q_logp, draft_BA, uniform_BA, jax.random.split(k_final, b))
 
 
 _verify = jax.jit(verify)
@@ -153,8 +153,8 @@ def test_accepted_length_matches_the_formula_with_alpha_from_tv():
   q = np.array([0.2, 0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0])
   alpha = np.minimum(p, q).sum()  # 1 - TV(p, q) = 0.65
   b, g = B_SYN, G_SYN
-  num_acc_B, tokens_BX, beta_BG = _synthetic(b, g, p, q, seed=0)
-  np.testing.assert_allclose(np.asarray(beta_BG), alpha, rtol=1e-5)
+  num_acc_B, tokens_BX, beta_BA = _synthetic(b, g, p, q, seed=0)
+  np.testing.assert_allclose(np.asarray(beta_BA), alpha, rtol=1e-5)
   measured = float(jnp.mean(num_acc_B + 1))
   want = float(expected_tokens_per_pass(alpha, g))
   sigma = float(jnp.std(num_acc_B + 1)) / np.sqrt(b)
@@ -166,11 +166,11 @@ def test_accepted_length_matches_the_formula_with_alpha_from_tv():
 
 def test_degenerate_drafts_identical_accepts_all_disjoint_accepts_none():
   p = np.array([0.4, 0.3, 0.3, 0, 0, 0, 0, 0])
-  num_acc_B, _, beta_BG = _synthetic(B_SYN, G_SYN, p, p, seed=1)
-  assert int(num_acc_B.min()) == G_SYN and np.allclose(np.asarray(beta_BG), 1.0)
+  num_acc_B, _, beta_BA = _synthetic(B_SYN, G_SYN, p, p, seed=1)
+  assert int(num_acc_B.min()) == G_SYN and np.allclose(np.asarray(beta_BA), 1.0)
   q = np.array([0, 0, 0, 0.5, 0.25, 0.25, 0, 0])
-  num_acc_B, tokens_BX, beta_BG = _synthetic(B_SYN, G_SYN, p, q, seed=2)
-  assert int(num_acc_B.max()) == 0 and float(jnp.max(beta_BG)) == 0.0
+  num_acc_B, tokens_BX, beta_BA = _synthetic(B_SYN, G_SYN, p, q, seed=2)
+  assert int(num_acc_B.max()) == 0 and float(jnp.max(beta_BA)) == 0.0
   assert _chi2_pvalue(np.bincount(np.asarray(tokens_BX[:, 0]), minlength=8), p) > 1e-3
 
 

@@ -33,8 +33,8 @@ def test_rounds_per_dispatch_do_not_change_tokens_or_stats(models, params):
                                    rounds_per_dispatch=rounds)
     np.testing.assert_array_equal(got, want)
     assert (st.rounds, st.tokens) == (want_st.rounds, want_st.tokens)
-    np.testing.assert_array_equal(st.accepted_G, want_st.accepted_G)
-    np.testing.assert_allclose(st.beta_sum_G, want_st.beta_sum_G, rtol=1e-5)
+    np.testing.assert_array_equal(st.accepted_A, want_st.accepted_A)
+    np.testing.assert_allclose(st.beta_sum_A, want_st.beta_sum_A, rtol=1e-5)
   if isinstance(params, SamplingParams):
     np.testing.assert_array_equal(want, greedy_generate(target, _prompt(), 14))
 
