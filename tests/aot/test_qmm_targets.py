@@ -33,16 +33,13 @@ PREFILL = 1.2      # prefill bytes and flops over bf16's
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Known gaps (docs/quantized_matmul.md): not asserted to fail, shown as expected failures.
-H200_KERNEL = ('pallas_qmm multiplies packed int4 as two half-width products: it slices the '
-               'scales into even and odd columns and stacks two f32 (16, N) outputs per call')
-H200_W8A8 = "XLA's int8 x int8 dot at 8 rows writes an int32 accumulator per projection"
-GAPS = {
-    ('h200', 8, 'int4'): H200_KERNEL, ('h200', 8, 'int4_g128'): H200_KERNEL,
-    ('h200', 8, 'w8a8'): H200_W8A8,
-}
-HEAD_OUT = ("the head kernel's (16, V) f32 output: 8.2 MB, over 5% of a one-layer int4 model "
-            '(1% of the 16-layer one)')
-TEMP_GAPS = {('h200', 1, 'int4'): HEAD_OUT, ('h200', 8, 'int4'): HEAD_OUT}
+# Two layers (the full configuration): int4 g128 at batch 8 reads 0.31x, since each layer's
+# KV-cache transposes and scatters (~20 MB, the same in every format) weigh more beside its
+# codes and f32 g128 scales (1/16 of the codes) than beside the head; one layer reads 0.30x.
+KV_LAYER = ("the decode step's KV-cache copies (~20 MB a layer in every format, bf16 too) "
+            "and the f32 g128 scales: 0.31x bf16's bytes at two layers")
+GAPS = {('h200', 8, 'int4_g128'): KV_LAYER} if FULL else {}
+TEMP_GAPS = {}
 # XLA:GPU of jax 0.12 holds ~16.8 MB of temp in every format's decode step (bf16's too; 8.4 MB
 # under jax 0.10): 5.2% of the one-layer int8 / fp8 model's weights, 0.3% of the 16-layer one's.
 if tuple(int(p) for p in jax.__version__.split('.')[:2]) >= (0, 12):
@@ -85,7 +82,7 @@ def _row(rows, target, fmt, program):
 
 
 def _cases(gaps):
-  return [pytest.param(t, b, f, marks=[pytest.mark.xfail(reason=gaps[(t, b, f)])]
+  return [pytest.param(t, b, f, marks=[pytest.mark.xfail(reason=gaps[(t, b, f)], strict=False)]
                        if (t, b, f) in gaps else [])
           for t in TARGETS for b in (1, 8) for f in QUANTIZED]
 
@@ -122,8 +119,7 @@ def test_xla_bytes_accessed_ratios_on_tpu(rows, target, batch):
   assert all(ratios[f] <= LIMITS[f] for f in QUANTIZED), ratios
 
 
-@pytest.mark.parametrize('target', [pytest.param(t, marks=[pytest.mark.xfail(reason=H200_KERNEL)])
-                                    if t == 'h200' else t for t in TARGETS])
+@pytest.mark.parametrize('target', TARGETS)
 @pytest.mark.parametrize('fmt', ('int4_g32', 'int4_g64'))
 def test_mlp_matmul_alone_at_small_groups(rows, target, fmt):
   for m in (1, 8):
