@@ -101,15 +101,15 @@ def _nll(model, tokens_BT: jax.Array, logits_chunk: int) -> jax.Array:
   x_BTD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0)))
   targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
   nc = (t - 1 + pad) // chunk
-  x_CBTD = jnp.moveaxis(x_BTD.reshape(b, nc, chunk, -1), 1, 0)
-  y_CBT = jnp.moveaxis(targets_BT.reshape(b, nc, chunk), 1, 0)
+  x_JBTD = jnp.moveaxis(x_BTD.reshape(b, nc, chunk, -1), 1, 0)
+  y_JBT = jnp.moveaxis(targets_BT.reshape(b, nc, chunk), 1, 0)
 
   def one(xy):  # the T x V logits never exist at once: `chunk` rows of them at a time
     logits_BTV = model.logits(xy[0])
     picked_BT = jnp.take_along_axis(logits_BTV, xy[1][..., None], axis=-1)[..., 0]
     return jax.nn.logsumexp(logits_BTV, axis=-1) - picked_BT
-  nll_CBT = jax.lax.map(one, (x_CBTD, y_CBT))
-  return jnp.moveaxis(nll_CBT, 0, 1).reshape(b, -1)[:, :t - 1]
+  nll_JBT = jax.lax.map(one, (x_JBTD, y_JBT))
+  return jnp.moveaxis(nll_JBT, 0, 1).reshape(b, -1)[:, :t - 1]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))

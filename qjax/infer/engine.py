@@ -25,14 +25,14 @@ request ends with finish reason 'error', alone:
 attention masks select (`qjax.nn.attention_core.weighted_values`), so its NaN keys and
 values, and those it leaves in the pages it frees, reach no other request.
 
-A step's tokens are packed: tokens (N, 1), each sequence's fed tokens one after another, so
+A step's tokens are packed: tokens (M, 1), each sequence's fed tokens one after another, so
 the weights see the tokens the step feeds and nothing else (no decode padded to a chunk's
 length, no idle row). Attention regroups them by sequence (`PagedKVCache.attend`): the
 sequences feeding one token (decodes) attend as a (max_batch, 1) layout, those feeding more
-(prompt chunks) as a (C, W) one, so a page is fetched once per sequence, not once per token,
+(prompt chunks) as a (C, T) one, so a page is fetched once per sequence, not once per token,
 and no decode pays for a chunk-wide attention row. Every token writes its K/V before any
 attends, so a chunk's tokens see each other through the pages, under the causal mask. The
-buckets (N, W, C) (`engine_inputs.buckets`): decodes alone (max_batch, 1, 0); beside half a
+buckets (M, T, C) (`engine_inputs.buckets`): decodes alone (max_batch, 1, 0); beside half a
 chunk, one, two, four, ... chunks; and every row a chunk (max_batch * chunk_size tokens: a static
 batch's prefill, a burst of arrivals). Packing is cheaper than the per-token and padded
 layouts it replaced because their cost was attention over tiny one-page blocks and over

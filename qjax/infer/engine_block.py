@@ -1,20 +1,20 @@
-"""The engine's default decode policy: K steps per dispatch with the rows' state on the device.
+"""The engine's default decode policy: U steps per dispatch with the rows' state on the device.
 
 When every running sequence decodes (no prompt chunk to feed, no stop string to check on
-the host, no repetition penalty), `Engine` runs up to K = `EngineConfig.decode_block` decode
+the host, no repetition penalty), `Engine` runs up to U = `EngineConfig.decode_block` decode
 steps in one dispatch (`engine_programs.decode_block`, a step on the library's one decode loop,
 `qjax.nn.decode_core.run_block`): each step feeds every live row's last token through the
 paged cache (the unpacked (B, 1) layout: row b's token is row b), samples
 (`qjax.infer.sampling.sample`, or the argmax when every row is greedy), and the loop ends a
 row at a stop token, at its max_tokens or at a non-finite logit, all on the device. The host
-reads the K tokens of every row once per block. With requests waiting for a row or pages,
+reads the U tokens of every row once per block. With requests waiting for a row or pages,
 the block also ends as soon as a row finishes, so admission is no later than step by step.
 
 What the rows need on the device (block and ring tables, lengths, last tokens, output
 positions, limits, stop tokens, sampling parameters) is kept there between dispatches by
 `Resident`: the host rebuilds each array from its bookkeeping (cheap numpy) and sends it
 only when its value differs from the one the device holds; in steady decode only a block
-table that gained a page changes. A block needs pages for its K positions ahead
+table that gained a page changes. A block needs pages for its U positions ahead
 (`Scheduler.reserve_all`); where the pool cannot give them without preempting, the engine
 runs one step instead.
 
@@ -25,9 +25,9 @@ runs block after block while the host books tokens; a request added meanwhile is
 after the queued block.
 
 A request that arrives while a row is free would join at the next step without blocks, so
-with a free row a dispatch holds the engine at most `EngineConfig.admit_within_s` (K steps,
-or 2K with one queued, times the step time estimated from the decode dispatches timed so
-far); past it the engine runs single steps. K is one of two compiled sizes (K or 1), so the
+with a free row a dispatch holds the engine at most `EngineConfig.admit_within_s` (U steps,
+or 2U with one queued, times the step time estimated from the decode dispatches timed so
+far); past it the engine runs single steps. U is one of two compiled sizes (U or 1), so the
 bound compiles nothing new.
 """
 
@@ -59,7 +59,7 @@ class BlockDecoding:
 
   Args:
     runner: the engine's `engine_runner.Runner` (its cache, dispatch, scheduler, booking).
-    decode_block: K, the most decode steps one dispatch runs.
+    decode_block: U, the most decode steps one dispatch runs.
     admit_within_s: `EngineConfig.admit_within_s`.
     max_batch: the engine's rows.
   """
@@ -87,7 +87,7 @@ class BlockDecoding:
 
   def steps(self, plan) -> int:
     """Decode steps the next dispatch may run as a block (1: a single step): every running
-    sequence decodes, none needs the host per token, and the pages for K steps are there."""
+    sequence decodes, none needs the host per token, and the pages for U steps are there."""
     k = self.k
     if k == 1 or not any(s is not None for s in plan.rows):
       return 1
@@ -130,8 +130,8 @@ class BlockDecoding:
     self._check(rows, k)
     sent0, kept0 = res.sent, res.kept
     cache = dataclasses.replace(
-        r.cache, block_table=res.put('table', x.table_BP),
-        ring_table=res.put('ring', x.ring_BR), length=res.put('length', x.length_B),
+        r.cache, block_table=res.put('table', x.table_BE),
+        ring_table=res.put('ring', x.ring_BE), length=res.put('length', x.length_B),
         num_new=res.put('num_new', np.zeros(len(rows), np.int32)), seq_of=None,
         slot_of=None, att_width=0, att_wide=0)
     loop = x.loop()
@@ -146,7 +146,7 @@ class BlockDecoding:
     out = r.dispatch(decode_block, r.graphdef, r.state, cache, dev_rows, params, k,
                      stop_early)
     r.cache = out[0]
-    return self._finish(rows, x.table_BP, out, params, k, queue=not stop_early,
+    return self._finish(rows, x.table_BE, out, params, k, queue=not stop_early,
                         started=started if st.compile_s == compile_s else None)
 
   def _finish(self, rows, table, out, params, k: int, queue: bool, started=None):
@@ -158,7 +158,7 @@ class BlockDecoding:
     read of the block it was queued behind), for the step estimate; None: not timed."""
     t0, r = time.perf_counter(), self.runner
     res, st, sched = r.resident, r.stats, r.scheduler
-    _, new_rows, tok_BK, lp_BK, num_B = out
+    _, new_rows, tok_BW, lp_BW, num_B = out
     res.hold('table', table, out[0].block_table)  # the table `out` ran with, now its output
     sent0, kept0 = res.sent, res.kept
     nxt = None
@@ -169,7 +169,7 @@ class BlockDecoding:
         and any(s.max_tokens - len(s.output) > k for s in running)  # not all done in `out`
         and self.may_hold(2 * k) and sched.reserve_all(2 * k)):
       self._check(live, 2 * k)
-      next_table = _inputs(live, r.max_pages, r.ring_width).table_BP
+      next_table = _inputs(live, r.max_pages, r.ring_width).table_BE
       cache = dataclasses.replace(r.cache, block_table=res.put('table', next_table))
       st.host_s += time.perf_counter() - t0
       st.arrays_sent += res.sent - sent0
@@ -179,12 +179,12 @@ class BlockDecoding:
       r.cache = nxt[0]
       t0 = time.perf_counter()
     st.host_s += time.perf_counter() - t0
-    tok_BK, lp_BK, num_B = r.fetch((tok_BK, lp_BK, num_B))
+    tok_BW, lp_BW, num_B = r.fetch((tok_BW, lp_BW, num_B))
     t0 = time.perf_counter()
     if started is not None:
       self.timed(started, int(np.max(num_B, initial=0)))
     self.fetched_at = t0  # a block queued behind this one starts on the device about now
-    events = r.booking.book(rows, [1] * len(rows), tok_BK, num_B, lp_BK=lp_BK)
+    events = r.booking.book(rows, [1] * len(rows), tok_BW, num_B, lp_BW=lp_BW)
     if nxt is not None:
       self.queued = (rows, next_table, nxt, params, k)
     else:
@@ -194,7 +194,7 @@ class BlockDecoding:
                        for i, s in enumerate(rows)], r.max_pages, r.ring_width)
       new_rows = out[1]
       for name, host, dev in (
-          ('table', table, r.cache.block_table), ('ring', after.ring_BR, r.cache.ring_table),
+          ('table', table, r.cache.block_table), ('ring', after.ring_BE, r.cache.ring_table),
           ('length', after.length_B, r.cache.length),
           ('num_new', np.zeros(len(rows), np.int32), r.cache.num_new),
           ('tok', after.tok_B, new_rows.tok_B), ('position', after.position_B,
@@ -217,8 +217,8 @@ class BlockDecoding:
     r = self.runner
     x = _inputs([None] * len(params.seed_B), r.max_pages, r.ring_width)
     rows = LoopState(**{f: jnp.asarray(v) for f, v in x.loop().items()})
-    cache = dataclasses.replace(r.cache, block_table=jnp.asarray(x.table_BP),
-                                ring_table=jnp.asarray(x.ring_BR),
+    cache = dataclasses.replace(r.cache, block_table=jnp.asarray(x.table_BE),
+                                ring_table=jnp.asarray(x.ring_BE),
                                 length=jnp.asarray(x.length_B), seq_of=None, slot_of=None,
                                 att_width=0, att_wide=0)
     out = decode_block(r.graphdef, r.state, cache, rows, params, self.k, np.bool_(False))

@@ -1,8 +1,8 @@
 """Booking a dispatch's results onto its requests, the same way for every kind of dispatch.
 
-A dispatch (a plain step, a block of K decode steps, R speculative rounds) returns, for each
+A dispatch (a plain step, a block of U decode steps, a few speculative rounds) returns, for each
 engine row b, `num_B[b]` results in step order: result i of row b fed `fed_B[b]` tokens and,
-once the row's whole sequence is cached, drew the token `tok_BK[b, i]`. `Booking.book` walks
+once the row's whole sequence is cached, drew the token `tok_BW[b, i]`. `Booking.book` walks
 them column by column (the order single steps would have produced them): it advances the
 positions cached, inserts a prompt's new full pages into the prefix cache, counts prompt and
 decode tokens and the cache slots held, and for each drawn token ends the request with
@@ -20,19 +20,19 @@ from qjax.infer.engine_config import EngineStats
 from qjax.infer.sampling import finish_reason
 
 
-def book(scheduler, rows: Sequence, fed_B, tok_BK, num_B, finished: Callable, *,
-         lp_BK=None, count: Optional[Callable] = None) -> tuple[list[tuple[str, int]], int]:
+def book(scheduler, rows: Sequence, fed_B, tok_BW, num_B, finished: Callable, *,
+         lp_BW=None, count: Optional[Callable] = None) -> tuple[list[tuple[str, int]], int]:
   """Book one dispatch's results (module docstring) onto its requests.
 
   Args:
     scheduler: the `Scheduler` (its `fail`, `release` and `prefix_cache`).
     rows: the dispatch's `SequenceState` (or None) per engine row.
     fed_B: tokens each result of a row fed (a plain step: the row's; otherwise 1).
-    tok_BK: the token drawn at each result (read where the sequence is whole); `NON_FINITE`
+    tok_BW: the token drawn at each result (read where the sequence is whole); `NON_FINITE`
       (-1) where the row's logits were not finite: that request ends with 'error'.
     num_B: results per row.
     finished: `finished(seq) -> bool` after a token is appended (sets its finish reason).
-    lp_BK: log-probabilities of the drawn tokens, or None (none recorded).
+    lp_BW: log-probabilities of the drawn tokens, or None (none recorded).
     count: `count(seq, n)` before `n` more positions of `seq` are cached (the counters).
 
   Returns:
@@ -54,14 +54,14 @@ def book(scheduler, rows: Sequence, fed_B, tok_BK, num_B, finished: Callable, *,
                                                         seq.page_hashes)
       if seq.num_pending:  # still prefilling: this row drew nothing
         continue
-      tok = int(tok_BK[row, i])
+      tok = int(tok_BW[row, i])
       if tok < 0:  # NON_FINITE: no token to give
         scheduler.fail(seq)
         continue
       seq.output.append(tok)
       events.append((seq.id, tok))
-      if lp_BK is not None and seq.params.logprobs:
-        seq.logprobs.append(float(lp_BK[row, i]))
+      if lp_BW is not None and seq.params.logprobs:
+        seq.logprobs.append(float(lp_BW[row, i]))
       if finished(seq):
         seq.finished = True
         scheduler.release(seq)
@@ -94,12 +94,12 @@ class Booking:
     seq.finish_reason = finish_reason(seq.params, seq.output, text)
     return seq.finish_reason is not None
 
-  def book(self, rows, fed_B, tok_BK, num_B, lp_BK=None,
+  def book(self, rows, fed_B, tok_BW, num_B, lp_BW=None,
            steps: Optional[int] = None) -> list[tuple[str, int]]:
     """`book` with this engine's stop check and counters; `steps`: the steps the dispatch
     ran (default: one per result column)."""
-    events, cols = book(self.scheduler, rows, fed_B, tok_BK, num_B, self.finished,
-                        lp_BK=lp_BK, count=self._count)
+    events, cols = book(self.scheduler, rows, fed_B, tok_BW, num_B, self.finished,
+                        lp_BW=lp_BW, count=self._count)
     st, sched = self.stats, self.scheduler
     st.steps += cols if steps is None else steps
     st.preemptions, st.swaps_out, st.swaps_in = (sched.preemptions, sched.swaps_out,

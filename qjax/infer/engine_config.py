@@ -16,7 +16,7 @@ class EngineConfig:
 
   Attributes:
     max_batch: rows of every step (B).
-    page_size: positions per page (P).
+    page_size: positions per page (Y).
     num_pages: pages per full-attention layer pool, the sink page included.
     chunk_size: most prompt tokens a sequence feeds per step (chunked prefill).
     max_len: longest prompt + output (default: the model's `config.max_len`). Every row's
@@ -30,7 +30,7 @@ class EngineConfig:
     prefill_budget: most prompt tokens fed per step over all sequences (vLLM's token budget
       of chunked prefill), or None: every prefilling sequence feeds a chunk each step. With
       `chunk_size`, every step fits the bucket of decodes beside one chunk.
-    decode_block: K, the most decode steps one dispatch runs while every running request
+    decode_block: U, the most decode steps one dispatch runs while every running request
       decodes (`qjax.infer.engine_block`); the host reads tokens once per block. 1: one step
       per dispatch.
     admit_within_s: while a row is free and no request waits, the most decode time (seconds,
@@ -91,8 +91,8 @@ class EngineStats:
   `wait_s` blocks on the tokens (the device's compute not hidden behind the host's), and
   `compile_s` is the dispatch time of calls that traced (compiled) a new step.
   """
-  steps: int = 0  # decode steps run (a block of K counts the steps it ran)
-  dispatches: int = 0  # jitted calls (a block of K steps is one)
+  steps: int = 0  # decode steps run (a block of U counts the steps it ran)
+  dispatches: int = 0  # jitted calls (a block of U steps is one)
   prefill_tokens: int = 0  # prompt (and recomputed) positions computed
   decode_tokens: int = 0
   compilations: int = 0
@@ -101,7 +101,7 @@ class EngineStats:
   swaps_out: int = 0  # preemptions that copied pages to the host (preemption='swap')
   swaps_in: int = 0
   swapped_bytes: int = 0  # bytes copied to the host, summed over swaps
-  allocated_slots: int = 0  # summed over steps and layers: pages held * P
+  allocated_slots: int = 0  # summed over steps and layers: pages held * Y
   used_slots: int = 0  # summed over steps and layers: positions held
   contiguous_slots: int = 0  # summed over steps and layers: max_len per running request
   host_s: float = 0.0

@@ -6,7 +6,7 @@ it feeds, its last token, its next output index (the sampler's stream position),
 limit, stop tokens and sampling parameters. A plain step also packs the fed tokens
 (`qjax.infer.engine` module docstring): each row's tokens after another's, with the row
 (`seq_of`) and slot (`slot_of`) of every packed token, each row's last token (`last_B`), the
-bucket (N, W, C) whose compiled step fits them and, when a request asks for a repetition
+bucket (M, T, C) whose compiled step fits them and, when a request asks for a repetition
 penalty, the tokens each row has seen (`seen_BV`).
 
 `Resident` keeps arrays on the device between dispatches and sends one only when its host
@@ -29,12 +29,12 @@ GREEDY = SamplingParams(temperature=0.0)  # the parameters of a row that feeds n
 
 
 def buckets(max_batch: int, chunk: int) -> tuple[tuple[int, int, int], ...]:
-  """(N, W, C) of every step shape (`qjax.infer.engine`): N packed tokens, at most C rows
-  feeding more than one token, at most W tokens each. Decodes alone: (max_batch, 1, 0).
+  """(M, T, C) of every step shape (`qjax.infer.engine`): M packed tokens, at most C rows
+  feeding more than one token, at most T tokens each. Decodes alone: (max_batch, 1, 0).
   Beside prompt tokens: max_batch + chunk // 2 tokens with one such row (chunks of 16 and
   more: a short prompt or a prefix hit's rest need not pay for a whole chunk), max_batch +
   k chunks with k rows (k = 1, 2, 4, ...), and max_batch * chunk tokens with every row (the
-  most a step can feed); W = min(chunk, N)."""
+  most a step can feed); T = min(chunk, M)."""
   shapes, k = {(max_batch * chunk, max_batch)}, 1
   if chunk >= 16:
     shapes.add((max_batch + chunk // 2, 1))
@@ -54,8 +54,8 @@ def stop_width(n: int) -> int:
 class StepInputs:
   """Host values of one dispatch's inputs (B engine rows; the packed fields for a plain
   step only). A row is live when it feeds tokens; the others are padding."""
-  table_BP: np.ndarray  # block table (pages in logical order)
-  ring_BR: np.ndarray  # ring pages (sliding-window layers)
+  table_BE: np.ndarray  # block table (pages in logical order)
+  ring_BE: np.ndarray  # ring pages (sliding-window layers)
   length_B: np.ndarray  # positions cached before the dispatch
   num_new_B: np.ndarray  # tokens fed
   tok_B: np.ndarray  # the last known token (a decode's input)
@@ -64,18 +64,18 @@ class StepInputs:
   stop_BS: np.ndarray  # stop tokens, -1 padded
   live_B: np.ndarray
   params: list  # SamplingParams per row (`GREEDY` where not live)
-  tokens_N1: Optional[np.ndarray] = None  # packed: the fed tokens
-  seq_of_N: Optional[np.ndarray] = None  # packed: each token's row
-  slot_of_N: Optional[np.ndarray] = None  # packed: each token's place in its row (W: padding)
+  tokens_M1: Optional[np.ndarray] = None  # packed: the fed tokens
+  seq_of_M: Optional[np.ndarray] = None  # packed: each token's row
+  slot_of_M: Optional[np.ndarray] = None  # packed: each token's place in its row (T: padding)
   last_B: Optional[np.ndarray] = None  # packed: each row's last token's index
-  bucket: Optional[tuple[int, int, int]] = None  # packed: (N, W, C)
+  bucket: Optional[tuple[int, int, int]] = None  # packed: (M, T, C)
   seen_BV: Optional[np.ndarray] = None  # tokens seen, when a live row has a penalty
 
   def layout(self) -> dict:
     """The cache layout of a packed step (`paged.with_step`'s arguments)."""
     _, w, c = self.bucket
-    return dict(block_table=self.table_BP, ring_table=self.ring_BR, length=self.length_B,
-                num_new=self.num_new_B, seq_of=self.seq_of_N, slot_of=self.slot_of_N,
+    return dict(block_table=self.table_BE, ring_table=self.ring_BE, length=self.length_B,
+                num_new=self.num_new_B, seq_of=self.seq_of_M, slot_of=self.slot_of_M,
                 att_width=w, att_wide=c)
 
   def loop(self) -> dict:
@@ -93,7 +93,7 @@ def build(rows, num_new, *, max_pages: int, ring_width: int, buckets_nwc=None,
   b = len(rows)
   width = stop_width(max([len(s.params.stop_tokens) for s in rows if s is not None] + [1]))
   x = StepInputs(
-      table_BP=np.zeros((b, max_pages), np.int32), ring_BR=np.zeros((b, ring_width), np.int32),
+      table_BE=np.zeros((b, max_pages), np.int32), ring_BE=np.zeros((b, ring_width), np.int32),
       length_B=np.zeros(b, np.int32), num_new_B=np.zeros(b, np.int32),
       tok_B=np.zeros(b, np.int32), position_B=np.zeros(b, np.int32),
       max_B=np.zeros(b, np.int32), stop_BS=np.full((b, width), -1, np.int32),
@@ -101,8 +101,8 @@ def build(rows, num_new, *, max_pages: int, ring_width: int, buckets_nwc=None,
   for row, (seq, n) in enumerate(zip(rows, num_new)):
     if seq is None or not n:
       continue
-    x.table_BP[row, :len(seq.pages)] = seq.pages
-    x.ring_BR[row, :len(seq.ring_pages)] = seq.ring_pages
+    x.table_BE[row, :len(seq.pages)] = seq.pages
+    x.ring_BE[row, :len(seq.ring_pages)] = seq.ring_pages
     x.length_B[row], x.num_new_B[row] = seq.num_cached, n
     x.tok_B[row], x.position_B[row] = seq.tokens[-1], len(seq.output)
     x.max_B[row] = seq.max_tokens
@@ -128,14 +128,14 @@ def _pack(x: StepInputs, rows, buckets_nwc, chunk_size: int) -> None:
                        f'chunk_size={chunk_size}; this is a scheduler bug.')
   n, w, c = next(s for s in buckets_nwc if s[0] >= total and s[1] >= widest and s[2] >= wide)
   x.bucket = (n, w, c)
-  x.tokens_N1 = np.zeros((n, 1), np.int32)
-  x.seq_of_N, x.slot_of_N = np.zeros(n, np.int32), np.full(n, w, np.int32)  # padding: w
+  x.tokens_M1 = np.zeros((n, 1), np.int32)
+  x.seq_of_M, x.slot_of_M = np.zeros(n, np.int32), np.full(n, w, np.int32)  # padding: w
   x.last_B, at = np.zeros(len(rows), np.int32), 0
   for row, (seq, k) in enumerate(zip(rows, fed)):
     if not k:
       continue
-    x.tokens_N1[at:at + k, 0] = seq.tokens[seq.num_cached:seq.num_cached + k]
-    x.seq_of_N[at:at + k], x.slot_of_N[at:at + k] = row, np.arange(k)
+    x.tokens_M1[at:at + k, 0] = seq.tokens[seq.num_cached:seq.num_cached + k]
+    x.seq_of_M[at:at + k], x.slot_of_M[at:at + k] = row, np.arange(k)
     at += k
     x.last_B[row] = at - 1
 

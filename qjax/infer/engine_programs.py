@@ -6,7 +6,7 @@ per-row seeds at the row's output index); a batch whose rows are all greedy take
 repetition penalty changes the argmax. A row whose logits are not finite gets `NON_FINITE`.
 
 `step` runs one packed step (`qjax.infer.engine`): every token against the paged cache, then
-`draw` at each row's last token. `decode_block` runs up to K decode steps of the live rows on
+`draw` at each row's last token. `decode_block` runs up to U decode steps of the live rows on
 the library's one decode loop (`qjax.nn.decode_core.run_block`), each step feeding every
 live row's last token in the unpacked (B, 1) layout and drawing with `draw`; the loop ends a
 row at a stop token, its max_tokens or a non-finite logit, all on the device.
@@ -66,7 +66,7 @@ def step(graphdef, state, tokens_BT, cache, last_B, params, position_B, seen_BV)
 def decode_block(graphdef, state, cache, rows: LoopState, params, block: int, stop_early):
   """Up to `block` decode steps of the live rows on `decode_core.run_block` (module
   docstring); ends early when no row is live, or, with `stop_early`, once a row finished.
-  Returns (cache, rows, tok_BK, logprob_BK, num_B): row b generated tok_BK[b, :num_B[b]].
+  Returns (cache, rows, tok_BW, logprob_BW, num_B): row b generated tok_BW[b, :num_B[b]].
   The values of rows that are not live are never read (they may differ from what the host
   would build for an idle row)."""
   traces.traced(BLOCK)

@@ -2,7 +2,7 @@
 
 The runner holds the weights (split once), the paged cache and what is kept on the device
 between dispatches. `Runner.step` plans a step with the scheduler and hands the plan to its
-decode policy: `engine_block.BlockDecoding` (K decode steps per dispatch while every request
+decode policy: `engine_block.BlockDecoding` (U decode steps per dispatch while every request
 decodes) or `spec_engine.SpeculativeDecoding` (draft-verify rounds); whatever the policy does
 not take runs as one packed step (`plain`). Every dispatch builds its inputs with
 `engine_inputs.build` and books its results with `engine_booking.Booking`.
@@ -130,7 +130,7 @@ class Runner:
                       for s, n in zip(plan.rows, plan.num_new))
     self.cache = paged.with_step(self.cache, **x.layout())
     self.policy.feed(x)
-    args = (jnp.asarray(x.tokens_N1), self.cache, jnp.asarray(x.last_B),
+    args = (jnp.asarray(x.tokens_M1), self.cache, jnp.asarray(x.last_B),
             self.sampling(x.params), jnp.asarray(x.position_B), x.seen_BV)
     self.stats.host_s += time.perf_counter() - t0
     compile_s, started = self.stats.compile_s, time.perf_counter()
@@ -142,7 +142,7 @@ class Runner:
       self.policy.timed(started, 1)
     live = [1 if s is not None else 0 for s in plan.rows]
     events = self.booking.book(plan.rows, plan.num_new, tok_B[:, None], live,
-                               lp_BK=logprob_B[:, None])
+                               lp_BW=logprob_B[:, None])
     self.stats.host_s += time.perf_counter() - t0
     return events
 

@@ -21,17 +21,17 @@ from qjax.nn import kvcache
 
 
 @jax.jit
-def _gather_pages(cache: PagedKVCache, pages_N: jax.Array, ring_R: jax.Array):
+def _gather_pages(cache: PagedKVCache, pages_E: jax.Array, ring_E: jax.Array):
   pick = lambda layer, pool: jax.tree.map(
-      lambda x: x[ring_R if cache.ring[layer] else pages_N], pool)
+      lambda x: x[ring_E if cache.ring[layer] else pages_E], pool)
   return (tuple(pick(i, pool) for i, pool in enumerate(cache.k)),
           tuple(pick(i, pool) for i, pool in enumerate(cache.v)))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _scatter_pages(cache: PagedKVCache, pages_N: jax.Array, ring_R: jax.Array, k, v):
+def _scatter_pages(cache: PagedKVCache, pages_E: jax.Array, ring_E: jax.Array, k, v):
   def put(layer, pool, data):
-    idx = ring_R if cache.ring[layer] else pages_N
+    idx = ring_E if cache.ring[layer] else pages_E
     return jax.tree.map(lambda x, d: x.at[idx].set(d), pool, data)
   return dataclasses.replace(
       cache, k=tuple(put(i, pool, d) for i, (pool, d) in enumerate(zip(cache.k, k))),
@@ -47,11 +47,11 @@ def _padded_pages(cache: PagedKVCache, pages: Sequence[int], ring_pages: Sequenc
   if any(cache.ring) and len(ring_pages) != num_ring:
     raise ValueError(f'paged KV cache: a ring of {len(ring_pages)} pages; the ring layers '
                      f'hold {num_ring} per sequence.')
-  pages_N = np.full(cache.max_pages, SINK_PAGE, np.int32)
-  pages_N[:len(pages)] = pages
-  ring_R = np.full(max(num_ring, 1), SINK_PAGE, np.int32)
-  ring_R[:len(ring_pages)] = ring_pages
-  return jnp.asarray(pages_N), jnp.asarray(ring_R)
+  pages_E = np.full(cache.max_pages, SINK_PAGE, np.int32)
+  pages_E[:len(pages)] = pages
+  ring_E = np.full(max(num_ring, 1), SINK_PAGE, np.int32)
+  ring_E[:len(ring_pages)] = ring_pages
+  return jnp.asarray(pages_E), jnp.asarray(ring_E)
 
 
 def read_pages(cache: PagedKVCache, pages: Sequence[int], ring_pages: Sequence[int] = ()):
@@ -60,7 +60,7 @@ def read_pages(cache: PagedKVCache, pages: Sequence[int], ring_pages: Sequence[i
   Args:
     cache: the device cache.
     pages: block-table pages, logical order (at most `max_pages`).
-    ring_pages: the sequence's ring (all R of them), when the cache has ring layers.
+    ring_pages: the sequence's ring (all E of them), when the cache has ring layers.
 
   Returns:
     (host, nbytes): the copy (pass it to `write_pages`) and the bytes of the copied pages
@@ -91,7 +91,7 @@ def check_step(names: Sequence[str], lengths: Sequence[int], num_new: Sequence[i
     lengths: positions each row has cached.
     num_new: tokens each row writes this step.
     pages_held: pages each row's block table has assigned.
-    page_size: P.
+    page_size: Y.
     max_len: the model's (or the engine's) longest sequence.
 
   Raises:

@@ -1,14 +1,15 @@
 """A paged KV cache (PagedAttention, Kwon et al. 2023): shared page pools and block tables.
 
-Storage: per layer one pool k/v of shape (num_pages, P, K, H) (P = page_size), float or a
+Storage: per layer one pool k/v of shape (num_pages, Y, K, H) (Y = page_size), float or a
 `QArray` in any KV format qjax has (`qjax.nn.kvcache.KV_FORMATS`: int8, int4, fp8, ...; the
 pool's scales are per (page, slot, kv head), i.e. per token and head, so a page write never
 changes what earlier tokens decode to). Row b of a step reads its pages through
-`block_table[b]`: logical page j (positions j*P .. j*P+P-1) is pool page `block_table[b, j]`.
+`block_table[b]`: logical page j (positions j*Y .. j*Y+Y-1) is pool page `block_table[b, j]`.
+A page table is (B, E): E entries (pool pages) per row.
 
-Sliding-window layers (with `ring=True`) keep a ring of R pages per row instead
-(`ring_table[b]`, from pools of their own): position p lives in ring page (p // P) % R, so a
-row holds only its last R*P positions, which must cover the window plus one step's new
+Sliding-window layers (with `ring=True`) keep a ring of E pages per row instead
+(`ring_table[b]`, from pools of their own): position p lives in ring page (p // Y) % E, so a
+row holds only its last E*Y positions, which must cover the window plus one step's new
 tokens (`ring_pages_needed`).
 
 Page 0 of every pool is a sink: padded tokens (rows with fewer new tokens than the step's T,
@@ -47,7 +48,7 @@ SINK_PAGE = 0
 # size when it divides): one page per block spends a CPU step in tiny per-page matmuls.
 KEYS_PER_BLOCK = 256
 
-# Logical axes of a pool (num_pages, P, K, H). Pages are the cache's (batch x length) slots
+# Logical axes of a pool (num_pages, Y, K, H). Pages are the cache's (batch x length) slots
 # cut into pieces, so the page axis follows the cache batch rule; slots the cache length,
 # K and H the cache's kv-head and head-dim rules (`qjax.nn.axes.KV_CACHE_AXES`).
 POOL_AXES = (ax.CACHE_BATCH, ax.CACHE_LENGTH, ax.ACT_KV_HEADS, ax.HEAD_DIM)
@@ -59,23 +60,25 @@ class PagedKVCache:
   """Page pools, per-row page tables and lengths of one step.
 
   Attributes:
-    k: per layer, the key pool (num_pages, P, K, H) (after RoPE), an array or a QArray.
+    k: per layer, the key pool (num_pages, Y, K, H) (after RoPE), an array or a QArray.
     v: per layer, the value pool.
-    block_table: int32 (B, max_pages): pool pages of each row, logical page order.
-    ring_table: int32 (B, R): ring pages of each row for ring layers ((B, 0) when none).
+    block_table: int32 (B, E = max_pages): pool pages of each row, logical page order.
+    ring_table: int32 (B, E = ring pages): ring pages of each row for ring layers ((B, 0)
+      when none).
     length: int32 (B,): positions already cached per row (this step writes from there).
     num_new: int32 (B,): tokens row b writes this step (<= T; the rest of the row is padding).
     qformat: the QFormat quantized pools store (static), or None for float pools.
-    page_size: P (static).
+    page_size: Y (static).
     ring: per layer, whether it uses the ring table (static).
     seq_of: None (row b's tokens are row b of tokens_BT), or a packed step's tokens
-      (tokens (N, 1), N >= sum(num_new)): int32 (N,), the row (sequence) of each token. The
+      (tokens (M, 1), M >= sum(num_new)): int32 (M,), the row (sequence) of each token. The
       rows' tokens lie one after another in row order, padding tokens at the end; the tables,
       `length` and `num_new` are then per row, and attention regroups the tokens by row
       (`attend`).
-    slot_of: int32 (N,): each token's place among its row's new tokens (a padding token:
+    slot_of: int32 (M,): each token's place among its row's new tokens (a padding token:
       att_width, so it is never written).
-    att_width: W, the most tokens a row feeds in the step (static; with seq_of).
+    att_width: T of the (C, T) layout, the most tokens a row feeds in the step (static;
+      with seq_of).
     att_wide: C, the most rows that feed more than one token (static; with seq_of).
   """
 
@@ -135,7 +138,7 @@ class PagedKVCache:
 
     Args:
       layer: the layer.
-      k_BTKH: new keys (after RoPE), T >= max(num_new) (a packed step: (N, 1)).
+      k_BTKH: new keys (after RoPE), T >= max(num_new) (a packed step: (M, 1)).
       v_BTKH: new values.
       positions_BT: their positions (`positions`).
 
@@ -172,7 +175,7 @@ class PagedKVCache:
       out_BTNH; each block's pages are gathered and dequantized as it is reached. In a packed
       step (`seq_of`) the tokens are regrouped by row first, so a page is fetched once per
       row, not once per token: rows feeding one token attend as a (B, 1) layout, rows
-      feeding more (at most `att_wide`) as a (att_wide, att_width) one, and the outputs are
+      feeding more (at most `att_wide`) as a (C, T) = (att_wide, att_width) one, and the outputs are
       gathered back. The weights see only the packed tokens, and attention computes no
       chunk-wide row for a decode (such a row costs as much whatever tokens it holds).
       Where `paged_kernel.attention_form` picks the ragged kernel for the step's widest row
@@ -192,25 +195,25 @@ class PagedKVCache:
           form, self.k[layer], self.v[layer], q_BTNH, table, self.length, self.num_new,
           self.seq_of, self.slot_of, w, ring=self.ring[layer], window=window,
           logit_softcap=logit_softcap)
-    q_NNH = jnp.concatenate([q_BTNH[:, 0], jnp.zeros_like(q_BTNH[:1, 0])])  # n: empty slot
+    q_MNH = jnp.concatenate([q_BTNH[:, 0], jnp.zeros_like(q_BTNH[:1, 0])])  # n: empty slot
     start_B = jnp.cumsum(self.num_new) - self.num_new  # row b's first token
     one_B = self.num_new == 1
-    out_B1NH = attend_rows(q_NNH[jnp.where(one_B, start_B, n)][:, None],
+    out_B1NH = attend_rows(q_MNH[jnp.where(one_B, start_B, n)][:, None],
                            jnp.where(one_B, self.length, -1)[:, None], table, last_B)
-    seq_N = self.seq_of
+    seq_M = self.seq_of
     if not c:
-      return jnp.take(out_B1NH, seq_N, axis=0)
+      return jnp.take(out_B1NH, seq_M, axis=0)
     wide_C = jnp.nonzero(self.num_new > 1, size=c, fill_value=b)[0]  # b: an empty row
     pick = lambda x: jnp.concatenate([x, jnp.zeros_like(x[:1])])[wide_C]
-    slot_W = jnp.arange(w, dtype=jnp.int32)
-    new_CW = slot_W[None] < pick(self.num_new)[:, None]
-    src_CW = jnp.where(new_CW, pick(start_B)[:, None] + slot_W[None], n)
-    pos_CW = jnp.where(new_CW, pick(self.length)[:, None] + slot_W[None], -1)  # -1: no keys
-    out_CWNH = attend_rows(q_NNH[src_CW], pos_CW, pick(table), pick(last_B))
+    slot_T = jnp.arange(w, dtype=jnp.int32)
+    new_CT = slot_T[None] < pick(self.num_new)[:, None]
+    src_CT = jnp.where(new_CT, pick(start_B)[:, None] + slot_T[None], n)
+    pos_CT = jnp.where(new_CT, pick(self.length)[:, None] + slot_T[None], -1)  # -1: no keys
+    out_CTNH = attend_rows(q_MNH[src_CT], pos_CT, pick(table), pick(last_B))
     wide_at_B = jnp.cumsum(self.num_new > 1) - 1  # a row's place among the wide ones
-    at_N = jnp.where(one_B[seq_N], seq_N, b + wide_at_B[seq_N] * w + self.slot_of)
-    flat = jnp.concatenate([out_B1NH[:, 0], out_CWNH.reshape((c * w,) + out_CWNH.shape[2:])])
-    return jnp.take(flat, at_N, axis=0, mode='clip')[:, None]
+    at_M = jnp.where(one_B[seq_M], seq_M, b + wide_at_B[seq_M] * w + self.slot_of)
+    flat = jnp.concatenate([out_B1NH[:, 0], out_CTNH.reshape((c * w,) + out_CTNH.shape[2:])])
+    return jnp.take(flat, at_M, axis=0, mode='clip')[:, None]
 
   def _attend_rows(self, layer, q_BTNH, positions_BT, table, last_B, *, window,
                    logit_softcap):
@@ -225,28 +228,28 @@ class PagedKVCache:
                                  ring=self.ring[layer], window=window,
                                  logit_softcap=logit_softcap)
     b, width = table.shape
-    g = max(1, min(width, KEYS_PER_BLOCK // p))  # pages per block
-    nb = -(-width // g)
-    table_XBG = jnp.pad(table, ((0, 0), (0, nb * g - width))).reshape(b, nb, g).swapaxes(0, 1)
-    offsets_S = jnp.arange(g * p, dtype=jnp.int32)
+    e = max(1, min(width, KEYS_PER_BLOCK // p))  # E: table entries (pages) per key block
+    nb = -(-width // e)
+    table_JBE = jnp.pad(table, ((0, 0), (0, nb * e - width))).reshape(b, nb, e).swapaxes(0, 1)
+    offsets_S = jnp.arange(e * p, dtype=jnp.int32)
     if self.ring[layer]:
       span = width * p
 
       def positions_of(j):  # the newest position p <= last with p % span == slot
-        slot_S = j * g * p + offsets_S
+        slot_S = j * e * p + offsets_S
         pos_BS = last_B[:, None] - (last_B[:, None] - slot_S[None]) % span
         return jnp.where((pos_BS >= 0) & (slot_S < span)[None], pos_BS, EMPTY_POSITION)
     else:  # padding pages past the table are the sink, at positions past every query
-      positions_of = lambda j: (j * g * p + offsets_S)[None]
+      positions_of = lambda j: (j * e * p + offsets_S)[None]
 
     def fetch(block):
-      pages_BG, j = block
-      k_BGPKH, v_BGPKH = pool_k[pages_BG], pool_v[pages_BG]
-      if isinstance(k_BGPKH, QArray):
-        k_BGPKH, v_BGPKH = dequantize(k_BGPKH), dequantize(v_BGPKH)
-      merge = lambda x: x.reshape((b, g * p) + x.shape[3:])
-      return merge(k_BGPKH), merge(v_BGPKH), positions_of(j)
-    blocks = (table_XBG, jnp.arange(nb, dtype=jnp.int32))
+      pages_BE, j = block
+      k_BEYKH, v_BEYKH = pool_k[pages_BE], pool_v[pages_BE]
+      if isinstance(k_BEYKH, QArray):
+        k_BEYKH, v_BEYKH = dequantize(k_BEYKH), dequantize(v_BEYKH)
+      merge = lambda x: x.reshape((b, e * p) + x.shape[3:])
+      return merge(k_BEYKH), merge(v_BEYKH), positions_of(j)
+    blocks = (table_JBE, jnp.arange(nb, dtype=jnp.int32))
     return online_attend(q_BTNH, blocks, fetch, positions_BT, window=window,
                          logit_softcap=logit_softcap)
 
@@ -284,10 +287,10 @@ def shard_pools(cache: PagedKVCache, rules, mesh) -> PagedKVCache:
 
 
 def ring_pages_needed(window: int, page_size: int, max_new: int) -> int:
-  """R such that a ring of R pages keeps every key a step of `max_new` tokens attends to.
+  """E such that a ring of E pages keeps every key a step of `max_new` tokens attends to.
 
   The oldest key a step's first query needs is `window + max_new - 1` positions before the
-  newest one written, so R * page_size >= window + max_new - 1.
+  newest one written, so E * page_size >= window + max_new - 1.
   """
   return -(-(window + max_new - 1) // page_size)
 
@@ -300,11 +303,12 @@ def init_paged_cache(config: TransformerConfig, *, num_pages: int, page_size: in
   Args:
     config: the model's config.
     num_pages: pages in each full-attention layer's pool (page 0 is the sink).
-    page_size: P, positions per page.
+    page_size: Y, positions per page.
     batch: B, rows of a step.
-    max_pages: pages a row's block table holds (its longest sequence is max_pages * P).
-    ring_pages: R, ring pages per row for sliding-window layers; 0 keeps them on the block
-      table like full layers (what prefix sharing needs: a ring overwrites its pages).
+    max_pages: pages a row's block table holds (its longest sequence is max_pages * Y).
+    ring_pages: E of the ring table, ring pages per row for sliding-window layers; 0 keeps
+      them on the block table like full layers (what prefix sharing needs: a ring
+      overwrites its pages).
     num_ring_pages: pages in each ring layer's pool (with ring_pages > 0).
     dtype: storage dtype of float pools / the dtype quantized pools read back as.
     fmt: None (float), a name in `kvcache.KV_FORMATS`, or a QFormat (per token and head).

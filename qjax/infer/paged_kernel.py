@@ -66,7 +66,7 @@ def attention_form(pool, t: int, on: Optional[str] = None,
   the tests run them on CPU); unset or 'auto' follows the table.
 
   Args:
-    pool: a layer's key pool (num_pages, P, K, H), an array or a QArray.
+    pool: a layer's key pool (num_pages, Y, K, H), an array or a QArray.
     t: queries per row (the most any row of the step feeds).
     on: the platform (the target's, `qjax.target.current()`, when None).
     devices: devices the program spans (the target's when None).
@@ -139,37 +139,37 @@ def attend(form: PagedForm, pool_k, pool_v, q_BTNH: jax.Array, positions_BT: jax
   return out_BNH[:, None]
 
 
-def attend_packed(form: PagedForm, pool_k, pool_v, q_N1NH: jax.Array, table: jax.Array,
-                  length_B: jax.Array, num_new_B: jax.Array, seq_N: jax.Array,
-                  slot_N: jax.Array, width: int, *, ring: bool, window: Optional[int],
+def attend_packed(form: PagedForm, pool_k, pool_v, q_M1NH: jax.Array, table: jax.Array,
+                  length_B: jax.Array, num_new_B: jax.Array, seq_M: jax.Array,
+                  slot_M: jax.Array, width: int, *, ring: bool, window: Optional[int],
                   logit_softcap: Optional[float]) -> jax.Array:
-  """out_N1NH of a packed step's tokens (`PagedKVCache.attend` with `seq_of`) in one ragged
-  kernel call: the rows' tokens laid out as (B, width) queries, row b's at positions
+  """out_M1NH of a packed step's tokens (`PagedKVCache.attend` with `seq_of`) in one ragged
+  kernel call: the rows' tokens laid out as (B, T = width) queries, row b's at positions
   length_B[b] + 0..num_new_B[b]-1 and the rest empty (-1), then gathered back per token
   (a padding token, slot `width`, reads another slot's output, which nothing uses).
 
   Args:
     form: a ragged form (`attention_form(pool_k, width)`).
     pool_k, pool_v: the layer's pools.
-    q_N1NH: the packed tokens' queries (scaled, after RoPE).
-    table: int32 (B, pages): each row's block or ring table.
+    q_M1NH: the M packed tokens' queries (scaled, after RoPE).
+    table: int32 (B, E): each row's block or ring table.
     length_B: positions cached per row before the step.
     num_new_B: tokens each row feeds (at most `width`).
-    seq_N, slot_N: each token's row and its place among the row's new tokens.
+    seq_M, slot_M: each packed token's row and its place among the row's new tokens.
     width: the most tokens a row feeds (static).
     ring, window, logit_softcap: the layer's (`attend`).
   """
   if form.kernel != 'ragged':
     raise ValueError(f'paged_kernel.attend_packed: form {form} is not the ragged kernel.')
-  n = q_N1NH.shape[0]
-  q_NNH = jnp.concatenate([q_N1NH[:, 0], jnp.zeros_like(q_N1NH[:1, 0])])  # n: empty
+  n = q_M1NH.shape[0]
+  q_MNH = jnp.concatenate([q_M1NH[:, 0], jnp.zeros_like(q_M1NH[:1, 0])])  # n: empty
   start_B = jnp.cumsum(num_new_B) - num_new_B  # row b's first token
-  slot_W = jnp.arange(width, dtype=jnp.int32)
-  new_BW = slot_W[None] < num_new_B[:, None]
-  src_BW = jnp.where(new_BW, start_B[:, None] + slot_W[None], n)
-  pos_BW = jnp.where(new_BW, length_B[:, None] + slot_W[None], -1)
+  slot_T = jnp.arange(width, dtype=jnp.int32)
+  new_BT = slot_T[None] < num_new_B[:, None]
+  src_BT = jnp.where(new_BT, start_B[:, None] + slot_T[None], n)
+  pos_BT = jnp.where(new_BT, length_B[:, None] + slot_T[None], -1)
   last_B = length_B + num_new_B - 1
-  out_BWNH = attend(form, pool_k, pool_v, q_NNH[src_BW], pos_BW, table, last_B, ring=ring,
+  out_BTNH = attend(form, pool_k, pool_v, q_MNH[src_BT], pos_BT, table, last_B, ring=ring,
                     window=window, logit_softcap=logit_softcap)
-  flat = out_BWNH.reshape((-1,) + out_BWNH.shape[2:])
-  return jnp.take(flat, seq_N * width + slot_N, axis=0, mode='clip')[:, None]
+  flat = out_BTNH.reshape((-1,) + out_BTNH.shape[2:])
+  return jnp.take(flat, seq_M * width + slot_M, axis=0, mode='clip')[:, None]

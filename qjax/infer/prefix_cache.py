@@ -1,8 +1,8 @@
 """Prefix caching: full pages of identical token prefixes shared between requests.
 
-A page holding positions j*P .. j*P+P-1 of a sequence is identified by the hash of every
-token up to its end (a chain: hash(parent's hash, this page's P tokens)), so two prompts
-share page j exactly when their first (j+1)*P tokens agree (the keys of position p depend
+A page holding positions j*Y .. j*Y+Y-1 of a sequence is identified by the hash of every
+token up to its end (a chain: hash(parent's hash, this page's Y tokens)), so two prompts
+share page j exactly when their first (j+1)*Y tokens agree (the keys of position p depend
 on tokens 0..p). The cache holds one reference to each page it knows (`PageAllocator`), so
 a page stays valid after the sequence that wrote it finishes; `evict` drops the least
 recently used pages that only the cache holds, when the allocator runs short.
@@ -37,11 +37,11 @@ def block_hashes(tokens: Sequence[int], page_size: int,
 
 
 class PrefixCache:
-  """Hash of a token prefix -> the page holding its last P positions; LRU order.
+  """Hash of a token prefix -> the page holding its last Y positions; LRU order.
 
   Attributes:
     allocator: the pool's allocator (the cache holds one count of every page it maps).
-    page_size: P.
+    page_size: Y.
     hits / queries: pages found / looked up by `match` (the hit rate's parts).
   """
 

@@ -102,7 +102,7 @@ class SpeculativeDecoding:
     layout = x.layout()
     layout['ring_table'] = np.zeros((len(x.length_B), 0))  # the draft has no ring layers
     self.dcache = paged.with_step(self.dcache, **layout)
-    self.dcache = _feed(self.dgraph, self.dstate, jnp.asarray(x.tokens_N1), self.dcache)
+    self.dcache = _feed(self.dgraph, self.dstate, jnp.asarray(x.tokens_M1), self.dcache)
 
   def timed(self, started: float, steps: int) -> None:
     """Step times: not used here."""
@@ -140,9 +140,9 @@ class SpeculativeDecoding:
                             max_pages=r.max_pages, ring_width=r.ring_width)
     engine_inputs.check(rows, [0 if s is None else self._positions(s) for s in rows],
                         r.page_size, r.max_len)
-    r.cache = paged.with_step(r.cache, x.table_BP, x.ring_BR, x.length_B,
+    r.cache = paged.with_step(r.cache, x.table_BE, x.ring_BE, x.length_B,
                               (g + 1) * x.num_new_B)
-    self.dcache = paged.with_step(self.dcache, x.table_BP, np.zeros((len(rows), 0)),
+    self.dcache = paged.with_step(self.dcache, x.table_BE, np.zeros((len(rows), 0)),
                                   x.length_B, x.num_new_B)
     loop = LoopState(**{f: jnp.asarray(v) for f, v in x.loop().items()})
     params = r.sampling(x.params)

@@ -1,10 +1,10 @@
 """Paged decode attention as a Pallas kernel: one query per row over its pages, quantized or not.
 
 The cache is qjax's paged layout (`qjax.infer.PagedKVCache`): per layer a pool of pages
-(num_pages, P, K, H) read through a per-row table of pool pages. Stored codes stay codes: an
+(num_pages, Y, K, H) read through a per-row table of pool pages. Stored codes stay codes: an
 int8, fp8 or packed int4 page (two codes per byte along H, low nibble first) is read from the
 pool as bytes and dequantized inside the kernel, never as a float copy of the cache. The
-per-token scales (shape (num_pages, P, K, 1)) multiply the page's values in registers / VMEM
+per-token scales (shape (num_pages, Y, K, 1)) multiply the page's values in registers / VMEM
 after the load; int4's two nibbles per byte meet the even and odd query features, so no
 nibble interleave runs in the kernel.
 
@@ -12,7 +12,7 @@ Each program handles one row's pages of one split (split-K: long rows are cut in
 `pages_per_split` pieces that run in parallel) with FlashAttention's online softmax, and the
 pieces are merged by their log-sum-exp afterwards. Only the pages a row's query can see are
 visited (from its window's first page to its own page); a ring table (sliding-window layers)
-holds R pages whose positions follow from the row's newest position.
+holds E pages whose positions follow from the row's newest position.
 
 Two schedules of one online-softmax step (`_online_step`), by backend:
 * 'triton' (GPU): grid (B, K, splits), a loop over pages inside, each page of one kv head
@@ -20,7 +20,7 @@ Two schedules of one online-softmax step (`_online_step`), by backend:
   bandwidth bound, and G query heads per kv head are too few rows for tensor-core tiles).
 * 'mosaic' (TPU): grid (B, splits, pages), the table prefetched to scalar memory and the pool
   block of each step chosen by it (Pallas pipelines the page copies); a page of every kv
-  head as one 2-D tile (P * K, H) scored by one dot against all K * G queries, the mask
+  head as one 2-D tile (Y * K, H) scored by one dot against all K * G queries, the mask
   keeping each query's own kv head; state in VMEM scratch.
 Both run in Pallas interpret mode on any backend (`interpret=True`), which is how the tests
 check them on CPU against a float64 reference. This module imports nothing else from qjax.
@@ -68,13 +68,13 @@ def _dequantized(page, scale, int4: bool) -> tuple[jax.Array, ...]:
   return parts if scale is None else tuple(x * scale.astype(jnp.float32) for x in parts)
 
 
-def _online_step(state, q_parts, k_parts, v_parts, ok_XY, *, softcap, use_dot):
-  """One key block of the online softmax for X query rows over Y keys.
+def _online_step(state, q_parts, k_parts, v_parts, ok_MS, *, softcap, use_dot):
+  """One key block of the online softmax for M query rows over S keys.
 
-  state: (m (X, 1), l (X, 1), acc parts (X, Hp)); q/k/v parts: (X, Hp), (Y, Hp), (Y, Hp)
-  float32 (int4: even and odd features); ok_XY: which keys each query may see.
+  state: (m (M, 1), l (M, 1), acc parts (M, Hp)); q/k/v parts: (M, Hp), (S, Hp), (S, Hp)
+  float32 (int4: even and odd features); ok_MS: which keys each query may see.
   """
-  m_X1, l_X1, acc = state
+  m_M1, l_M1, acc = state
   if use_dot:  # MXU / tensor-core tiles
     qk = lambda q, k: jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                           preferred_element_type=jnp.float32)
@@ -83,16 +83,16 @@ def _online_step(state, q_parts, k_parts, v_parts, ok_XY, *, softcap, use_dot):
   else:  # too few query rows for tiles: broadcasts and sums
     qk = lambda q, k: jnp.sum(q[:, None, :] * k[None, :, :], axis=-1)
     pv = lambda p, v: jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
-  s_XY = sum(qk(q, k) for q, k in zip(q_parts, k_parts))
+  s_MS = sum(qk(q, k) for q, k in zip(q_parts, k_parts))
   if softcap is not None:
-    s_XY = softcap * jnp.tanh(s_XY / softcap)
-  s_XY = jnp.where(ok_XY, s_XY, _NEG)
-  m_new = jnp.maximum(m_X1, s_XY.max(axis=-1, keepdims=True))
-  p_XY = jnp.where(ok_XY, jnp.exp(s_XY - m_new), 0.0)
-  alpha = jnp.exp(m_X1 - m_new)
-  l_X1 = alpha * l_X1 + p_XY.sum(axis=-1, keepdims=True)
-  acc = tuple(alpha * a + pv(p_XY, v) for a, v in zip(acc, v_parts))
-  return m_new, l_X1, acc
+    s_MS = softcap * jnp.tanh(s_MS / softcap)
+  s_MS = jnp.where(ok_MS, s_MS, _NEG)
+  m_new = jnp.maximum(m_M1, s_MS.max(axis=-1, keepdims=True))
+  p_MS = jnp.where(ok_MS, jnp.exp(s_MS - m_new), 0.0)
+  alpha = jnp.exp(m_M1 - m_new)
+  l_M1 = alpha * l_M1 + p_MS.sum(axis=-1, keepdims=True)
+  acc = tuple(alpha * a + pv(p_MS, v) for a, v in zip(acc, v_parts))
+  return m_new, l_M1, acc
 
 
 def _scratch_init(m_scr, l_scr, acc_scr) -> None:
@@ -103,21 +103,21 @@ def _scratch_init(m_scr, l_scr, acc_scr) -> None:
     a[...] = jnp.zeros(a.shape, jnp.float32)
 
 
-def _scratch_step(scratch, q_parts, k_parts, v_parts, ok_XY, seen_Y1, softcap) -> None:
+def _scratch_step(scratch, q_parts, k_parts, v_parts, ok_MS, seen_S1, softcap) -> None:
   """One page's keys into the scratch state (`_online_step`); values of slots no query sees
   are zeroed first, so a stale NaN there adds nothing."""
   m_scr, l_scr, acc_scr = scratch
-  v_parts = tuple(jnp.where(seen_Y1, v, 0.0) for v in v_parts)
+  v_parts = tuple(jnp.where(seen_S1, v, 0.0) for v in v_parts)
   state = (m_scr[...], l_scr[...], tuple(a[...] for a in acc_scr))
-  m_X1, l_X1, acc = _online_step(state, q_parts, k_parts, v_parts, ok_XY, softcap=softcap,
+  m_M1, l_M1, acc = _online_step(state, q_parts, k_parts, v_parts, ok_MS, softcap=softcap,
                                  use_dot=True)
-  m_scr[...], l_scr[...] = m_X1, l_X1
+  m_scr[...], l_scr[...] = m_M1, l_M1
   for a_scr, a in zip(acc_scr, acc):
     a_scr[...] = a
 
 
 def _visible(slot, q_pos, last, *, window, ring_span):
-  """Whether the keys in `slot` (slot j*P + s of a row's table) are visible to its query."""
+  """Whether the keys in `slot` (slot j*Y + s of a row's table) are visible to its query."""
   if ring_span:  # the newest position p <= last with p = slot (mod span)
     base = last - jax.lax.rem(last, ring_span)  # a scalar remainder; vectors only add/select
     pos = base + slot
@@ -176,13 +176,13 @@ def _triton_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, scaled, cfg):
     scale = lambda r: None if r is None else r[page, :, kv, :]
     k_parts = _dequantized(k_ref[page, :, kv, :], scale(ks_ref), cfg['int4'])
     v_parts = _dequantized(v_ref[page, :, kv, :], scale(vs_ref), cfg['int4'])
-    slot_1P = j * p + jax.lax.broadcasted_iota(jnp.int32, (1, p), 1)
-    ok_GP = jnp.broadcast_to(_visible(slot_1P, q_pos, last, **cfg['mask']), (g, p))
+    slot_1Y = j * p + jax.lax.broadcasted_iota(jnp.int32, (1, p), 1)
+    ok_GY = jnp.broadcast_to(_visible(slot_1Y, q_pos, last, **cfg['mask']), (g, p))
     # Masks select: a slot the query cannot see adds 0, even if it holds a stale NaN.
-    slot_P1 = j * p + jax.lax.broadcasted_iota(jnp.int32, (p, 1), 0)
-    seen_P1 = _visible(slot_P1, q_pos, last, **cfg['mask'])
-    v_parts = tuple(jnp.where(seen_P1, v, 0.0) for v in v_parts)
-    return _online_step(state, q_parts, k_parts, v_parts, ok_GP, softcap=cfg['softcap'],
+    slot_Y1 = j * p + jax.lax.broadcasted_iota(jnp.int32, (p, 1), 0)
+    seen_Y1 = _visible(slot_Y1, q_pos, last, **cfg['mask'])
+    v_parts = tuple(jnp.where(seen_Y1, v, 0.0) for v in v_parts)
+    return _online_step(state, q_parts, k_parts, v_parts, ok_GY, softcap=cfg['softcap'],
                         use_dot=False)
   init = (jnp.full((g, 1), _NEG, jnp.float32), jnp.zeros((g, 1), jnp.float32),
           tuple(jnp.zeros(q.shape, jnp.float32) for q in q_parts))
@@ -196,7 +196,7 @@ def _triton_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, scaled, cfg):
 def _mosaic_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, kh, scaled, cfg):
   """Rows x splits x pages; each step one page of every kv head, as 2-D tiles.
 
-  The page block is the pool's (P, K, H) page viewed as (P * K, H) (row s * K + k: slot s,
+  The page block is the pool's (Y, K, H) page viewed as (Y * K, H) (row s * K + k: slot s,
   kv head k), the queries (K * G, H) (row k * G + g); one dot scores every query against
   every key of the page and the mask keeps the pairs of one kv head.
   """
@@ -220,15 +220,15 @@ def _mosaic_kernel(table_ref, qpos_ref, last_ref, *refs, nq, pps, kh, scaled, cf
     k_parts = _dequantized(k_ref[...], scale(ks_ref), cfg['int4'])
     v_parts = _dequantized(v_ref[...], scale(vs_ref), cfg['int4'])
     rows, cols = q_parts[0].shape[0], k_parts[0].shape[0]
-    col_1Y = jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
-    slot_1Y = j * cfg['page_size'] + _div(col_1Y, kh)
-    head_X1 = _div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), rows // kh)
-    ok_XY = ((head_X1 == col_1Y - _div(col_1Y, kh) * kh)
-             & _visible(slot_1Y, q_pos, last, **cfg['mask']))
+    col_1S = jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+    slot_1S = j * cfg['page_size'] + _div(col_1S, kh)
+    head_M1 = _div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), rows // kh)
+    ok_MS = ((head_M1 == col_1S - _div(col_1S, kh) * kh)
+             & _visible(slot_1S, q_pos, last, **cfg['mask']))
     # Masks select: a slot the query cannot see adds 0, even if it holds a stale NaN.
-    slot_Y1 = j * cfg['page_size'] + _div(jax.lax.broadcasted_iota(jnp.int32, (cols, 1), 0), kh)
-    seen_Y1 = _visible(slot_Y1, q_pos, last, **cfg['mask'])
-    _scratch_step((m_scr, l_scr, acc_scr), q_parts, k_parts, v_parts, ok_XY, seen_Y1,
+    slot_S1 = j * cfg['page_size'] + _div(jax.lax.broadcasted_iota(jnp.int32, (cols, 1), 0), kh)
+    seen_S1 = _visible(slot_S1, q_pos, last, **cfg['mask'])
+    _scratch_step((m_scr, l_scr, acc_scr), q_parts, k_parts, v_parts, ok_MS, seen_S1,
                   cfg['softcap'])
 
   @pl.when(step == pps - 1)
@@ -249,17 +249,17 @@ def paged_attention(q_BNH: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
   Args:
     q_BNH: the rows' queries; N a multiple of K.
-    k_pages: the key pool (num_pages, P, K, Hs): floats, int8 or fp8 codes, or (int4) bytes
+    k_pages: the key pool (num_pages, Y, K, Hs): floats, int8 or fp8 codes, or (int4) bytes
       of two packed codes each (Hs = H / 2).
     v_pages: the value pool, stored like the keys.
     page_table: int32 (B, pages per row): the pool page of each row's logical page j (or
       ring page j when `ring`).
     q_pos_B: each query's position (-1: a row with nothing to attend to; its output is 0).
     last_B: each row's newest cached position (locates a ring's positions).
-    k_scales: (num_pages, P, K, 1) scales of quantized keys (code * scale), or None.
+    k_scales: (num_pages, Y, K, 1) scales of quantized keys (code * scale), or None.
     v_scales: the same for values.
     int4: the pools hold packed int4 codes.
-    ring: the table is a ring of R pages holding the row's last R * P positions.
+    ring: the table is a ring of E pages holding the row's last E * Y positions.
     window: sliding window (keys with q_pos - window < pos <= q_pos), or None.
     logit_softcap: softcap of the attention logits, or None.
     pages_per_split: pages one program visits (split-K); default ~1024 keys.
@@ -320,7 +320,7 @@ def paged_attention(q_BNH: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       first, end = _page_range(qpos[i], **cfg['range'])
       jj = jnp.clip(s * pps + j, first, jnp.maximum(end - 1, first))
       return table[i * width + jnp.clip(jj, 0, width - 1)]
-    # A page (P, K, Hs) seen as (P * K, Hs): a free reshape, 2-D tiles in the kernel.
+    # A page (Y, K, Hs) seen as (Y * K, Hs): a free reshape, 2-D tiles in the kernel.
     flat = lambda x: x.reshape(x.shape[0], p * kh, x.shape[-1])
     pools = tuple(flat(x) for x in pools)
     page_spec = lambda x: pl.BlockSpec((sq, p * kh, x.shape[-1]),

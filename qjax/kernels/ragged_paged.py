@@ -10,19 +10,19 @@ softmax in VMEM scratch, and the causal mask inside a chunk follows from each qu
 position, so a chunk's queries see each other's keys through the pages.
 
 The pools are read as `qjax.infer.PagedKVCache` stores them (the layout of
-`qjax.kernels.paged_attention`): (num_pages, P, K, Hs) floats, int8 or fp8 codes, or packed
-int4 bytes, with a scale per token and kv head (num_pages, P, K, 1) that multiplies the page
+`qjax.kernels.paged_attention`): (num_pages, Y, K, Hs) floats, int8 or fp8 codes, or packed
+int4 bytes, with a scale per token and kv head (num_pages, Y, K, 1) that multiplies the page
 in VMEM after its load, never a float copy of the pool. Sliding windows, rings of pages
 (sliding-window layers) and logit softcaps mask and score as the decode kernel does (its
 per-page update, `_online_step`, is shared).
 
 Why not `jax.experimental.pallas.ops.tpu.ragged_paged_attention`: it reads one pool of keys
-and values interleaved along the head axis (num_pages, P, 2K, H) with one scalar scale for all
+and values interleaved along the head axis (num_pages, Y, 2K, H) with one scalar scale for all
 keys and one for all values, and has no ring of pages; qjax stores separate K and V pools with
 a scale per token and head (what keeps a page write from changing earlier tokens' values), so
 using it would need a re-laid and dequantized copy of every pool each step.
 
-The block layout: a page (P, K, Hs) is one 2-D tile (P * K, Hs), row s * K + k (slot s, kv
+The block layout: a page (Y, K, Hs) is one 2-D tile (Y * K, Hs), row s * K + k (slot s, kv
 head k); a query block is (K * Tq * G, Hs), row k * Tq * G + t * G + g (kv head k, query t of
 the block, head g of the group). One dot scores every query against every key of the page;
 a mask keeps each query's own kv head (K times the flops of per-head dots, for tiles without
@@ -93,21 +93,21 @@ def _kernel(table_ref, lo_ref, hi_ref, last_ref, pos_ref, head_ref, col_ref, key
     scale = lambda r: None if r is None else r[...]
     k_parts = _dequantized(k_ref[...], scale(ks_ref), cfg['int4'])
     v_parts = _dequantized(v_ref[...], scale(vs_ref), cfg['int4'])
-    slot_1Y = j * p + col_ref[1:2, :]
-    ok_XY = (head_ref[...] == col_ref[0:1, :]) & _visible(slot_1Y, pos_ref[...], last, **mask)
+    slot_1S = j * p + col_ref[1:2, :]
+    ok_MS = (head_ref[...] == col_ref[0:1, :]) & _visible(slot_1S, pos_ref[...], last, **mask)
     # Masks select: a slot no query of the block sees adds 0, even if it holds a stale NaN.
     window = mask['window']
-    seen_Y1 = _visible(j * p + key_ref[...], hi, last, ring_span=mask['ring_span'],
+    seen_S1 = _visible(j * p + key_ref[...], hi, last, ring_span=mask['ring_span'],
                        window=None if window is None else hi - lo + window)
-    _scratch_step((m_scr, l_scr, acc_scr), q_parts, k_parts, v_parts, ok_XY, seen_Y1,
+    _scratch_step((m_scr, l_scr, acc_scr), q_parts, k_parts, v_parts, ok_MS, seen_S1,
                   cfg['softcap'])
 
   @pl.when(j == cfg['range']['width'] - 1)
   def _():
-    l_X1 = l_scr[...]
-    inv_X1 = 1.0 / jnp.where(l_X1 > 0, l_X1, 1.0)  # a query that saw no key: 0
+    l_M1 = l_scr[...]
+    inv_M1 = 1.0 / jnp.where(l_M1 > 0, l_M1, 1.0)  # a query that saw no key: 0
     for r, a in zip(out_refs, acc_scr):
-      r[...] = (a[...] * inv_X1).astype(r.dtype)
+      r[...] = (a[...] * inv_M1).astype(r.dtype)
 
 
 def ragged_paged_attention(q_BTNH: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -122,7 +122,7 @@ def ragged_paged_attention(q_BTNH: jax.Array, k_pages: jax.Array, v_pages: jax.A
 
   Args:
     q_BTNH: up to T queries per row; N a multiple of K.
-    k_pages: the key pool (num_pages, P, K, Hs): floats, int8 or fp8 codes, or (int4) bytes
+    k_pages: the key pool (num_pages, Y, K, Hs): floats, int8 or fp8 codes, or (int4) bytes
       of two packed codes each (Hs = H / 2).
     v_pages: the value pool, stored like the keys.
     page_table: int32 (B, pages per row): the pool page of each row's logical page j (or
@@ -130,10 +130,10 @@ def ragged_paged_attention(q_BTNH: jax.Array, k_pages: jax.Array, v_pages: jax.A
     q_pos_BT: each query's position (-1: no query there; its output is 0). A key at position
       p is visible to a query at q when p <= q (and q - p < window).
     last_B: each row's newest cached position (locates a ring's positions).
-    k_scales: (num_pages, P, K, 1) scales of quantized keys (code * scale), or None.
+    k_scales: (num_pages, Y, K, 1) scales of quantized keys (code * scale), or None.
     v_scales: the same for values.
     int4: the pools hold packed int4 codes.
-    ring: the table is a ring of R pages holding the row's last R * P positions.
+    ring: the table is a ring of E pages holding the row's last E * Y positions.
     window: sliding window, or None.
     logit_softcap: softcap of the attention logits, or None.
     block_q: queries per block (default `default_block_q`).
@@ -164,26 +164,26 @@ def ragged_paged_attention(q_BTNH: jax.Array, k_pages: jax.Array, v_pages: jax.A
   rows, cols = kh * tq * g, p * kh
   pad = nqb * tq - t
   q_BTNH = jnp.pad(q_BTNH, ((0, 0), (0, pad), (0, 0), (0, 0)))
-  pos_BQT = jnp.pad(q_pos_BT.astype(jnp.int32), ((0, 0), (0, pad)),
+  pos_BJT = jnp.pad(q_pos_BT.astype(jnp.int32), ((0, 0), (0, pad)),
                     constant_values=-1).reshape(b, nqb, tq)
-  real = pos_BQT >= 0
-  lo = jnp.where(real, pos_BQT, jnp.iinfo(jnp.int32).max).min(-1)
+  real = pos_BJT >= 0
+  lo = jnp.where(real, pos_BJT, jnp.iinfo(jnp.int32).max).min(-1)
   lo = jnp.where(real.any(-1), lo, -1).reshape(-1)  # -1: an empty block
-  hi = jnp.where(real, pos_BQT, -1).max(-1).reshape(-1)
-  # (B, QB * Tq, K * G, H) -> (B * QB, K * Tq * G, H): a block's rows, kv head first.
+  hi = jnp.where(real, pos_BJT, -1).max(-1).reshape(-1)
+  # (B, J * Tq, K * G, H) -> (B * J, K * Tq * G, H): a block's rows, kv head first.
   blocks = lambda x: x.reshape(b, nqb, tq, kh, g, x.shape[-1]).transpose(
       0, 1, 3, 2, 4, 5).reshape(b * nqb, rows, x.shape[-1])
   q_parts = (q_BTNH[..., 0::2], q_BTNH[..., 1::2]) if int4 else (q_BTNH,)
   q_parts = tuple(blocks(x) for x in q_parts)
   nq, hp = len(q_parts), q_parts[0].shape[-1]
-  pos_rows = blocks(jnp.broadcast_to(pos_BQT[..., None, None, None], (b, nqb, tq, kh, g, 1)))
-  head_X1 = (jnp.arange(rows, dtype=jnp.int32) // (tq * g))[:, None]
-  col_Y = jnp.arange(cols, dtype=jnp.int32)
-  col_2Y = jnp.stack([col_Y % kh, col_Y // kh])  # each key column's kv head and slot
-  key_Y1 = (col_Y // kh)[:, None]
+  pos_rows = blocks(jnp.broadcast_to(pos_BJT[..., None, None, None], (b, nqb, tq, kh, g, 1)))
+  head_M1 = (jnp.arange(rows, dtype=jnp.int32) // (tq * g))[:, None]
+  col_S = jnp.arange(cols, dtype=jnp.int32)
+  col_2S = jnp.stack([col_S % kh, col_S // kh])  # each key column's kv head and slot
+  key_S1 = (col_S // kh)[:, None]
   scaled = k_scales is not None
   pools = (k_pages, k_scales, v_pages, v_scales) if scaled else (k_pages, v_pages)
-  # A page (P, K, Hs) seen as (P * K, Hs): a free reshape, 2-D tiles in the kernel.
+  # A page (Y, K, Hs) seen as (Y * K, Hs): a free reshape, 2-D tiles in the kernel.
   pools = tuple(x.reshape(x.shape[0], cols, x.shape[-1]) for x in pools)
   span = width * p if ring else 0
   cfg = dict(range=dict(page_size=p, width=width, window=window, ring_span=span),
@@ -203,7 +203,7 @@ def ragged_paged_attention(q_BTNH: jax.Array, k_pages: jax.Array, v_pages: jax.A
   whole = lambda x: pl.BlockSpec(x.shape, lambda i, qb, j, *_: (0,) * x.ndim)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=4, grid=(b, nqb, width),
-      in_specs=([block(1), whole(head_X1), whole(col_2Y), whole(key_Y1)] + [block(hp)] * nq
+      in_specs=([block(1), whole(head_M1), whole(col_2S), whole(key_S1)] + [block(hp)] * nq
                 + [pl.BlockSpec((sq, cols, x.shape[-1]),
                                 lambda i, qb, j, *refs: (page_of(i, qb, j, *refs), 0, 0))
                    for x in pools]),
@@ -217,8 +217,8 @@ def ragged_paged_attention(q_BTNH: jax.Array, k_pages: jax.Array, v_pages: jax.A
           dimension_semantics=('parallel', 'parallel', 'arbitrary')),
       name='qjax_ragged_paged_attention_mosaic')(
           page_table.astype(jnp.int32).reshape(-1), lo, hi, last_B.astype(jnp.int32),
-          pos_rows, head_X1, col_2Y, key_Y1, *q_parts, *pools)
-  # (B * QB, K * Tq * G, Hp) -> (B, QB * Tq, N, Hp), the padding queries dropped.
+          pos_rows, head_M1, col_2S, key_S1, *q_parts, *pools)
+  # (B * J, K * Tq * G, Hp) -> (B, J * Tq, N, Hp), the padding queries dropped.
   unblock = lambda x: x.reshape(b, nqb, kh, tq, g, hp).transpose(0, 1, 3, 2, 4, 5).reshape(
       b, nqb * tq, n, hp)[:, :t]
   parts = [unblock(o) for o in outs]

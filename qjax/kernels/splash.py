@@ -76,12 +76,12 @@ def splash_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *,
   widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
   # Padding sits after every real token, so the causal mask hides it from real queries.
   q_BKGTH = widen(q_BTNH).reshape(b, t + pad, kh, n // kh, h).transpose(0, 2, 3, 1, 4)
-  k_BKTH = widen(k_BTKH).transpose(0, 2, 1, 3)
-  v_BKTH = widen(v_BTKH.astype(k_BTKH.dtype)).transpose(0, 2, 1, 3)
+  k_BKSH = widen(k_BTKH).transpose(0, 2, 1, 3)
+  v_BKSH = widen(v_BTKH.astype(k_BTKH.dtype)).transpose(0, 2, 1, 3)
   kernel = _kernel(n // kh, t + pad, window, logit_softcap, block, interpret,
                    qjax_target.current().compile_only)
-  per_head = lambda q_GTH, k_TH, v_TH: kernel(q_GTH, k_TH, v_TH)
-  out_BKGTH = jax.vmap(jax.vmap(per_head))(q_BKGTH, k_BKTH.astype(q_BKGTH.dtype),
-                                           v_BKTH.astype(q_BKGTH.dtype))
+  per_head = lambda q_GTH, k_SH, v_SH: kernel(q_GTH, k_SH, v_SH)
+  out_BKGTH = jax.vmap(jax.vmap(per_head))(q_BKGTH, k_BKSH.astype(q_BKGTH.dtype),
+                                           v_BKSH.astype(q_BKGTH.dtype))
   out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t + pad, n, h)[:, :t]
   return out_BTNH.astype(q_BTNH.dtype)

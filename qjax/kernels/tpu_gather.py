@@ -1,6 +1,6 @@
 """A Pallas TPU (Mosaic) kernel that gathers rows of a table: the embedding lookup on a TPU.
 
-`rows_ND = table_VD[ids_N]`, one grid step per id: the step's block is the whole TPU tile of
+`rows_MD = table_VD[ids_M]`, one grid step per id: the step's block is the whole TPU tile of
 rows holding the id's row (8 rows of 32-bit values, 16 of 16-bit, 32 of 8-bit, 64 of 4-bit:
 the tile the table is stored in), the id scalar-prefetched into SMEM picks the block, and the
 row is selected in VMEM. Values are returned as f32 (every int8 / int4 / fp8 code and every
@@ -41,44 +41,44 @@ def _kernel(ids_ref, t_ref, o_ref, *, rt: int):
   o_ref[...] = jnp.sum(jnp.where(pick, blk, 0.0), axis=0, keepdims=True)[None]
 
 
-def gather_rows(table_VD, ids_N, *, interpret: Optional[bool] = None):
-  """`table_VD[ids_N]` as f32, one TPU tile of rows read per id.
+def gather_rows(table_VD, ids_M, *, interpret: Optional[bool] = None):
+  """`table_VD[ids_M]` as f32, one TPU tile of rows read per id.
 
   Args:
     table_VD: the table (any dtype whose values are exact in f32: float, int8, int4, fp8).
-    ids_N: int32 row ids, 1-D (ids outside [0, V) are clipped to the range, as jnp.take's
+    ids_M: int32 row ids, 1-D (ids outside [0, V) are clipped to the range, as jnp.take's
       'clip' mode; the callers pass token ids).
     interpret: run the Pallas interpreter (default: when the target is not a TPU).
 
   Returns:
-    (N, D) float32.
+    (M, D) float32.
   """
-  if table_VD.ndim != 2 or ids_N.ndim != 1:
-    raise ValueError(f'tpu_gather: expected a (V, D) table and (N,) ids, got {table_VD.shape} '
-                     f'and {ids_N.shape}.')
+  if table_VD.ndim != 2 or ids_M.ndim != 1:
+    raise ValueError(f'tpu_gather: expected a (V, D) table and (M,) ids, got {table_VD.shape} '
+                     f'and {ids_M.shape}.')
   if interpret is None:
     interpret = qjax_target.current().platform != 'tpu'
-  return _gather_rows(table_VD, ids_N.astype(jnp.int32), bool(interpret))
+  return _gather_rows(table_VD, ids_M.astype(jnp.int32), bool(interpret))
 
 
 # A pallas_call has no derivative of its own; a gather's is the scatter-add of the rows'
 # cotangents into the table (a training step embeds through this on a TPU).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _gather_rows(table_VD, ids_N, interpret: bool):
-  return _gather(table_VD, ids_N, interpret=interpret)
+def _gather_rows(table_VD, ids_M, interpret: bool):
+  return _gather(table_VD, ids_M, interpret=interpret)
 
 
-def _gather_rows_fwd(table_VD, ids_N, interpret: bool):
-  return _gather(table_VD, ids_N, interpret=interpret), (table_VD, ids_N)
+def _gather_rows_fwd(table_VD, ids_M, interpret: bool):
+  return _gather(table_VD, ids_M, interpret=interpret), (table_VD, ids_M)
 
 
-def _gather_rows_bwd(interpret: bool, residuals, ct_ND):
+def _gather_rows_bwd(interpret: bool, residuals, ct_MD):
   del interpret
-  table_VD, ids_N = residuals
+  table_VD, ids_M = residuals
   if not jnp.issubdtype(table_VD.dtype, jnp.floating):
     return None, None  # codes: nothing to differentiate
-  ids = jnp.clip(ids_N, 0, table_VD.shape[0] - 1)
-  d_table = jnp.zeros(table_VD.shape, jnp.float32).at[ids].add(ct_ND.astype(jnp.float32))
+  ids = jnp.clip(ids_M, 0, table_VD.shape[0] - 1)
+  d_table = jnp.zeros(table_VD.shape, jnp.float32).at[ids].add(ct_MD.astype(jnp.float32))
   return d_table.astype(table_VD.dtype), None
 
 
@@ -86,12 +86,12 @@ _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=('interpret',))
-def _gather(table_VD, ids_N, *, interpret: bool):
+def _gather(table_VD, ids_M, *, interpret: bool):
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
   v, d = table_VD.shape
-  n = ids_N.shape[0]
+  n = ids_M.shape[0]
   rt = min(row_tile(table_VD.dtype), v)
-  ids = jnp.clip(ids_N, 0, v - 1)
+  ids = jnp.clip(ids_M, 0, v - 1)
   bits = 4 if jnp.dtype(table_VD.dtype) == jnp.dtype(jnp.int4) else (
       8 * jnp.dtype(table_VD.dtype).itemsize)
   cost = pl.CostEstimate(flops=0, transcendentals=0,

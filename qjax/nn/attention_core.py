@@ -97,9 +97,10 @@ def online_attend(q_BTNH: jax.Array, blocks: Any, fetch: Callable, q_pos_BT: jax
 
   Args:
     q_BTNH: queries (already scaled); N a multiple of K.
-    blocks: a pytree whose leaves have a leading axis of length num_blocks (scanned over).
-    fetch: one block's leaves -> (k_BPKH, v_BPKH, k_pos_BP), P keys of every row (B of the
-      positions may be 1); empty slots at `EMPTY_POSITION`.
+    blocks: a pytree whose leaves have a leading axis J of length num_blocks (scanned
+      over).
+    fetch: one block's leaves -> (k_BSKH, v_BSKH, k_pos_BS), the block's S keys of every row
+      (B of the positions may be 1); empty slots at `EMPTY_POSITION`.
     q_pos_BT: query positions.
     window: sliding window, or None.
     logit_softcap: softcap of the attention logits, or None.
@@ -112,22 +113,22 @@ def online_attend(q_BTNH: jax.Array, blocks: Any, fetch: Callable, q_pos_BT: jax
 
   def body(carry, block):
     m_BKGT, l_BKGT, acc_BKGTH = carry
-    k_BPKH, v_BPKH, k_pos_BP = fetch(block)
-    k = k_BPKH.shape[2]
+    k_BSKH, v_BSKH, k_pos_BS = fetch(block)
+    k = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
-    logits_BKGTP = jnp.einsum('BTKGH,BPKH->BKGTP', q_BTKGH, k_BPKH.astype(q_BTNH.dtype),
+    logits_BKGTS = jnp.einsum('BTKGH,BSKH->BKGTS', q_BTKGH, k_BSKH.astype(q_BTNH.dtype),
                               preferred_element_type=jnp.float32)
-    logits_BKGTP = softcap(logits_BKGTP, logit_softcap)
-    mask_BTP = attention_mask(q_pos_BT, k_pos_BP, window)
-    logits_BKGTP = jnp.where(mask_BTP[:, None, None], logits_BKGTP, _MASKED)
-    m_new = jnp.maximum(m_BKGT, logits_BKGTP.max(-1))
+    logits_BKGTS = softcap(logits_BKGTS, logit_softcap)
+    mask_BTS = attention_mask(q_pos_BT, k_pos_BS, window)
+    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, _MASKED)
+    m_new = jnp.maximum(m_BKGT, logits_BKGTS.max(-1))
     # A block before the first unmasked key leaves m at _MASKED; the first real logit then
     # rescales what it summed by exp(_MASKED - m) = 0, so only real keys remain.
-    p_BKGTP = jnp.exp(logits_BKGTP - m_new[..., None])
+    p_BKGTS = jnp.exp(logits_BKGTS - m_new[..., None])
     rescale = jnp.exp(m_BKGT - m_new)
-    l_BKGT = l_BKGT * rescale + p_BKGTP.sum(-1)
-    pv_BKGTH = weighted_values(p_BKGTP.astype(q_BTNH.dtype), v_BPKH.astype(q_BTNH.dtype),
-                               mask_BTP, preferred_element_type=jnp.float32)
+    l_BKGT = l_BKGT * rescale + p_BKGTS.sum(-1)
+    pv_BKGTH = weighted_values(p_BKGTS.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
+                               mask_BTS, preferred_element_type=jnp.float32)
     return (m_new, l_BKGT, acc_BKGTH * rescale[..., None] + pv_BKGTH), None
 
   k_abs = jax.eval_shape(fetch, jax.tree.map(lambda x: x[0], blocks))[0]

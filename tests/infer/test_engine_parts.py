@@ -46,10 +46,10 @@ def test_build_packs_a_decode_beside_a_prompt_chunk():
   x = engine_inputs.build([decode, prompt], [1, 3], max_pages=4, ring_width=0,
                           buckets_nwc=buckets, chunk_size=4)
   assert x.bucket == (6, 4, 1)
-  assert x.tokens_N1[:, 0].tolist() == [9, 4, 5, 6, 0, 0]
-  assert x.seq_of_N.tolist()[:4] == [0, 1, 1, 1] and x.slot_of_N.tolist() == [0, 0, 1, 2, 4, 4]
+  assert x.tokens_M1[:, 0].tolist() == [9, 4, 5, 6, 0, 0]
+  assert x.seq_of_M.tolist()[:4] == [0, 1, 1, 1] and x.slot_of_M.tolist() == [0, 0, 1, 2, 4, 4]
   assert x.last_B.tolist() == [0, 3]
-  assert x.table_BP.tolist() == [[3, 0, 0, 0], [7, 0, 0, 0]]
+  assert x.table_BE.tolist() == [[3, 0, 0, 0], [7, 0, 0, 0]]
   assert x.length_B.tolist() == [2, 0] and x.num_new_B.tolist() == [1, 3]
   assert x.tok_B.tolist() == [9, 6] and x.position_B.tolist() == [1, 0]
   assert x.stop_BS.tolist() == [[5, 6, 7, -1], [-1, -1, -1, -1]]  # 3 stops: 4 columns
@@ -63,7 +63,7 @@ def test_build_leaves_idle_rows_as_padding_and_marks_seen_tokens_for_a_penalty()
   x = engine_inputs.build([None, seq], [0, 1], max_pages=2, ring_width=1, vocab=6)
   assert x.live_B.tolist() == [False, True] and x.params[0].temperature == 0
   assert x.seen_BV.tolist() == [[False] * 6, [False, True, True, True, False, False]]
-  assert x.tokens_N1 is None  # not packed
+  assert x.tokens_M1 is None  # not packed
 
 
 def test_build_refuses_a_chunk_past_chunk_size():
@@ -90,14 +90,14 @@ def test_book_walks_results_in_step_order_and_ends_requests():
   b = _seq('b', [1], output=[2], cached=1, pages=sched.allocator.alloc(1), row=1,
            params=SamplingParams(temperature=0.0, max_tokens=8))
   sched.running += [a, b]
-  tok_BK = np.array([[10, 42, 11], [20, 21, NON_FINITE]])
+  tok_BW = np.array([[10, 42, 11], [20, 21, NON_FINITE]])
   finished = lambda s: 'stop' if s.output[-1] in s.params.stop_tokens else None
 
   def done(seq):
     seq.finish_reason = finished(seq)
     return seq.finish_reason is not None
 
-  events, cols = book(sched, [a, b], [1, 1], tok_BK, [3, 3], done)
+  events, cols = book(sched, [a, b], [1, 1], tok_BW, [3, 3], done)
   assert cols == 3
   assert events == [('a', 10), ('b', 20), ('a', 42), ('b', 21)]
   assert (a.finish_reason, b.finish_reason) == ('stop', 'error')

@@ -62,12 +62,12 @@ def test_a_packed_mixed_step_attends_as_the_scan(monkeypatch, paged_logits_step)
   _, cache = paged_logits_step(model)(tokens, with_step(cache, table, rings, [0, 0], [6, 3]))
   step = with_step(cache, table, rings, [6, 3], [3, 1], seq_of=[0, 0, 0, 1, 0],
                    slot_of=[0, 1, 2, 0, 3], att_width=3, att_wide=1)
-  tokens_N1 = tokens.reshape(-1)[:5, None]
+  tokens_M1 = tokens.reshape(-1)[:5, None]
   calls = _count_calls(monkeypatch)
   logits = {}
   for mode in ('scan', 'interpret'):
     monkeypatch.setenv('QJAX_PAGED_ATTENTION', mode)
-    logits[mode] = np.asarray(paged_logits_step(model)(tokens_N1, step)[0])[:4]
+    logits[mode] = np.asarray(paged_logits_step(model)(tokens_M1, step)[0])[:4]
   assert len(calls) == CFG.num_layers  # one ragged call per layer for the whole step
   want = logits['scan']
   np.testing.assert_allclose(logits['interpret'], want, atol=2e-4 * np.abs(want).max())

@@ -33,8 +33,8 @@ def _caches(config):
   flat = kvcache.init_cache(config, B, CFG.max_len)
   pool = paged.init_paged_cache(config, num_pages=1 + B * MAX_PAGES, page_size=PAGE,
                                 batch=B, max_pages=MAX_PAGES)
-  table_BP = 1 + np.arange(B * MAX_PAGES).reshape(B, MAX_PAGES)
-  pool = paged.with_step(pool, table_BP, np.zeros((B, 0)), np.zeros(B), np.zeros(B))
+  table_BE = 1 + np.arange(B * MAX_PAGES).reshape(B, MAX_PAGES)
+  pool = paged.with_step(pool, table_BE, np.zeros((B, 0)), np.zeros(B), np.zeros(B))
   return flat, pool
 
 
