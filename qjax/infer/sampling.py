@@ -390,9 +390,9 @@ def sample_generate(model, prompt_BT: jax.Array, params, max_tokens: int, *,
                                         carry=(batch, seen_BV))
     loop = nn_generate.decode_loop(model, cache, state, pick=_sample_block_pick,
                                    decode_block=block)
-    new_BL, logp_BL = nn_generate.collect(loop, max_tokens - 1)
-    toks.append(new_BL)
-    logps.append(logp_BL)
+    new_BO, logp_BO = nn_generate.collect(loop, max_tokens - 1)
+    toks.append(new_BO)
+    logps.append(logp_BO)
   tokens = np.concatenate(toks, axis=1).astype(np.int32)
   validate.raise_non_finite(tokens, 'sample_generate', start=t)
   return jnp.asarray(tokens), jnp.asarray(np.concatenate(logps, axis=1))

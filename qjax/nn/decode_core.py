@@ -1,4 +1,4 @@
-"""The library's one decode loop: up to K steps in one `lax.while_loop` while a row is live.
+"""The library's one decode loop: up to U steps in one `lax.while_loop` while a row is live.
 
 Every decoder runs on `run_block`: greedy and sampled generation (`qjax.nn.generate`), the
 serving engine's decode blocks (`qjax.infer.engine_block`), and speculative rounds
@@ -11,7 +11,7 @@ A step may emit 1..X tokens per row (a speculative round emits up to gamma + 1).
 ends after a stop token (kept; later tokens of the same step are dropped), after a negative
 token (`validate.NON_FINITE`: the logits were not finite), or once it has no more than
 `room` tokens left to generate. Rows that are not live still run (fixed shapes); their
-outputs are discarded. Letters: K steps per block, X tokens a step may emit, W = K * X
+outputs are discarded. Letters: U steps per block, X tokens a step may emit, W = U * X
 token columns a block records per row.
 """
 
@@ -80,7 +80,7 @@ class Decoded:
     tok_BW: row b generated tok_BW[b, :num_B[b]]; later columns hold its last token.
     extra_BW: a float per generated token (a log-probability, say); 0 in later columns.
     num_B: int32, tokens each row generated in the block.
-    steps: int32, steps the loop ran (fewer than K once no row was live, or stop_early).
+    steps: int32, steps the loop ran (fewer than U once no row was live, or stop_early).
   """
 
   state: LoopState
@@ -103,7 +103,7 @@ def _emit(state: LoopState, tok_BX, num_B):
 
 def run_block(step: Callable[..., Any], state: LoopState, ctx: Any, block: int, *,
               width: int = 1, room: int = 0, stop_early=False) -> tuple[Decoded, Any]:
-  """Up to `block` (K) steps of the live rows in one `lax.while_loop`; call it under jit.
+  """Up to `block` (U) steps of the live rows in one `lax.while_loop`; call it under jit.
 
   Args:
     step: `step(state, ctx) -> (tok_BX, extra_BX, num_B, carry, ctx)`, one step of every
@@ -111,7 +111,7 @@ def run_block(step: Callable[..., Any], state: LoopState, ctx: Any, block: int, 
       per token, the state's new carry and the caller's new context (caches, statistics).
     state: the rows' `LoopState`.
     ctx: a pytree the step threads (the KV caches, sums it keeps).
-    block: K, the most steps to run (static).
+    block: U, the most steps to run (static).
     width: X, the most tokens a step emits per row (static).
     room: a row stays live only while it has more than `room` tokens left to generate
       (max_B - count_B > room), so a step emitting up to room + 1 tokens never passes
@@ -119,7 +119,7 @@ def run_block(step: Callable[..., Any], state: LoopState, ctx: Any, block: int, 
     stop_early: a bool (traced): end the block as soon as some row stopped.
 
   Returns:
-    (decoded, ctx): the `Decoded` (tokens in W = K * X columns) and the step's last context.
+    (decoded, ctx): the `Decoded` (tokens in W = U * X columns) and the step's last context.
   """
   b, w = state.tok_B.shape[0], block * width
   count0_B = state.count_B

@@ -16,7 +16,7 @@ sampler with per-row keys), inside the same compiled function. `logits_step` ret
 logits of every fed position (a verifier scoring several tokens at once).
 
 `decode_loop` dispatches the library's one decode loop (`qjax.nn.decode_core.run_block`, a
-jitted `lax.while_loop` of up to `decode_block` (K) steps) with a model step: the token choice
+jitted `lax.while_loop` of up to `decode_block` (U) steps) with a model step: the token choice
 (`pick`), stop tokens, per-row token limits and finished rows stay on the device; the host
 reads the tokens once per block and dispatches the next block before it reads (jax dispatch
 is asynchronous), so the device is not idle while the host handles a block.
@@ -212,7 +212,7 @@ def _loop_block(graphdef, state, cache, loop: LoopState, pick, block: int):
 
 
 class DecodeLoop:
-  """`decode_loop`'s iterator: one `(new_BK, extra_BK, num_B)` per block; `state` and `cache`
+  """`decode_loop`'s iterator: one `(new_BW, extra_BW, num_B)` per block; `state` and `cache`
   hold the latest dispatch's (the last one's once iteration ends)."""
 
   def __init__(self, model, cache, state: LoopState, pick, decode_block: int, steps: int):
@@ -222,10 +222,10 @@ class DecodeLoop:
 
   def _dispatch(self):
     before = self.state
-    self.cache, self.state, new_BK, extra_BK = _loop_block(
+    self.cache, self.state, new_BW, extra_BW = _loop_block(
         self.static, self.weights, self.cache, before, self.pick, self.block)
     self.steps_left -= self.block
-    return before.count_B, self.state.count_B, self.state.live_B, new_BK, extra_BK
+    return before.count_B, self.state.count_B, self.state.live_B, new_BW, extra_BW
 
   def __iter__(self):
     pending = self._dispatch() if self.steps_left > 0 else None
@@ -233,8 +233,8 @@ class DecodeLoop:
       # The next block is queued before this one is read, so the device does not wait for
       # the host; a block queued after every row stopped early (a stop token) runs no step.
       nxt = self._dispatch() if self.steps_left > 0 else None
-      count0_B, count_B, live_B, new_BK, extra_BK = jax.device_get(pending)
-      yield new_BK, extra_BK, count_B - count0_B
+      count0_B, count_B, live_B, new_BW, extra_BW = jax.device_get(pending)
+      yield new_BW, extra_BW, count_B - count0_B
       if not live_B.any():
         return
       pending = nxt
@@ -243,7 +243,7 @@ class DecodeLoop:
 def decode_loop(model: nnx.Module, cache: KVCache, state: LoopState, *,
                 pick: Callable[..., Any] = greedy_pick,
                 decode_block: int = 8) -> DecodeLoop:
-  """Decode the live rows of `state` until each is finished, K = `decode_block` steps per
+  """Decode the live rows of `state` until each is finished, U = `decode_block` steps per
   dispatch; iterate it for the tokens.
 
   Args:
@@ -254,11 +254,11 @@ def decode_loop(model: nnx.Module, cache: KVCache, state: LoopState, *,
     pick: a hashable function `pick(logits_BV, count_B, carry) -> (tok_B, extra_B, carry)`
       traced inside the loop (`count_B`: each row's output index of the token drawn);
       `extra_B` is a float per row kept for every step (the token's log-probability, say).
-    decode_block: K, steps per dispatch (one compilation per K).
+    decode_block: U, steps per dispatch (one compilation per U).
 
   Returns:
-    A `DecodeLoop`: iterating it yields, per block, (new_BK, extra_BK, num_B) on the host:
-    row b generated new_BK[b, :num_B[b]] in that block (later columns repeat its last
+    A `DecodeLoop`: iterating it yields, per block, (new_BW, extra_BW, num_B) on the host:
+    row b generated new_BW[b, :num_B[b]] in that block (later columns repeat its last
     token, extra 0). Stop tokens end a row and are kept; a `NON_FINITE` token ends it too.
   """
   decode_block = validate.count(decode_block, 'decode_block', 'decode_loop')
@@ -293,7 +293,7 @@ def decode_steps(model: nnx.Module, tok_B: jax.Array, cache: KVCache, num_steps:
       calls with 5, 6 or 7 steps share one compilation.
 
   Returns:
-    (new_BL, extra_BL, cache, carry): the L = num_steps tokens and extras of every row (a row
+    (new_BO, extra_BO, cache, carry): the O = num_steps tokens and extras of every row (a row
     that met a `NON_FINITE` token repeats it).
   """
   num_steps = validate.count(num_steps, 'num_steps', 'decode_steps')
@@ -313,8 +313,8 @@ def decode_steps(model: nnx.Module, tok_B: jax.Array, cache: KVCache, num_steps:
                    jnp.full(tok_B.shape, num_steps, jnp.int32),
                    jnp.full(tok_B.shape + (1,), -1, jnp.int32), tok_B >= 0, carry)
   # (No host copy of the lengths: a row that met NON_FINITE may stop the loop early.)
-  cache, loop, new_BL, extra_BL = _loop_block(graphdef, state, cache, loop, pick, block)
-  return new_BL[:, :num_steps], extra_BL[:, :num_steps], cache, loop.carry
+  cache, loop, new_BO, extra_BO = _loop_block(graphdef, state, cache, loop, pick, block)
+  return new_BO[:, :num_steps], extra_BO[:, :num_steps], cache, loop.carry
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
@@ -407,22 +407,22 @@ def greedy_step(model: nnx.Module, tokens_BT: jax.Array, cache: KVCache, *,
 
 
 def collect(loop: DecodeLoop, num: int) -> tuple[np.ndarray, np.ndarray]:
-  """(new_BN, extra_BN): the first `num` tokens and extras `loop` generates per row, on the
-  host; a row that stopped early repeats its last token (extra 0) to width N."""
+  """(new_BO, extra_BO): the first `num` tokens and extras `loop` generates per row, on the
+  host; a row that stopped early repeats its last token (extra 0) to width O = num."""
   b = loop.state.tok_B.shape[0]
   toks, extras = [np.zeros((b, 0), np.int32)], [np.zeros((b, 0), np.float32)]
-  for new_BK, extra_BK, num_B in loop:
+  for new_BW, extra_BW, num_B in loop:
     k = int(np.max(num_B, initial=0))  # finished rows repeat their last token up to k
-    toks.append(new_BK[:, :k])
-    extras.append(extra_BK[:, :k])
-  new_BN = np.concatenate(toks, axis=1)[:, :num]
-  extra_BN = np.concatenate(extras, axis=1)[:, :num]
-  short = num - new_BN.shape[1]
+    toks.append(new_BW[:, :k])
+    extras.append(extra_BW[:, :k])
+  new_BO = np.concatenate(toks, axis=1)[:, :num]
+  extra_BO = np.concatenate(extras, axis=1)[:, :num]
+  short = num - new_BO.shape[1]
   if short:  # every row stopped early (or none had a token to generate)
     last_B1 = np.asarray(loop.state.tok_B)[:, None]
-    new_BN = np.concatenate([new_BN, np.repeat(last_B1, short, axis=1)], axis=1)
-    extra_BN = np.concatenate([extra_BN, np.zeros((b, short), np.float32)], axis=1)
-  return new_BN, extra_BN
+    new_BO = np.concatenate([new_BO, np.repeat(last_B1, short, axis=1)], axis=1)
+    extra_BO = np.concatenate([extra_BO, np.zeros((b, short), np.float32)], axis=1)
+  return new_BO, extra_BO
 
 
 def greedy_generate(model: nnx.Module, prompt_BT: jax.Array, num_steps: int, *,

@@ -16,19 +16,19 @@ reading `length` (which `qjax.sharding` keeps replicated: positions are computed
 outside attention, where every shard wants them whole).
 
 Sliding-window layers keep a ring (default; `init_cache(..., ring=False)` turns it off). A
-local layer of window W only ever reads the last W positions, so its buffer has R = W +
+local layer of window w only ever reads the last w positions, so its buffer has R = w +
 `ring_slack` slots and position p lives in slot p mod R (Gemma 3 270M at 32k context: five of
 six layers hold 576 slots instead of 32,768). Which position a ring slot holds is computed,
 not stored: the latest p < end with p = s mod R, where end is one past the row's last written
 position. The slack is what makes two things exact:
 * rollback (lowering `length`, as speculative decoding does after a rejected draft): after a
   call, a row's length may be lowered by up to `ring_slack` tokens. The overwritten slots then
-  held positions at least W + 1 before every later query, outside its window.
+  held positions at least w + 1 before every later query, outside its window.
 * a call of T <= ring_slack + 1 tokens writes first and then reads the ring (no key a query
   needs is overwritten in the same call). A longer call (a long prefill) reads the ring as it
   was, attends over it plus the chunk's own keys, and writes only the last R positions.
 Rule: `ring_slack` >= the largest number of tokens a caller rolls back (speculative decoding:
-gamma); the default 64 covers gamma <= 64. A ring needs W + ring_slack < max_len, otherwise
+gamma); the default 64 covers gamma <= 64. A ring needs w + ring_slack < max_len, otherwise
 the layer keeps max_len slots. Tokens at positions >= `EMPTY_POSITION` (padding a bucketed
 prefill, `qjax.nn.generate`) are not written to a ring (`qjax.infer.PagedKVCache` keeps a ring
 of pages for local layers the same way).
@@ -98,7 +98,7 @@ class KVCache:
       goes to slot length[b]).
     qformat: the QFormat quantized storage is written in (static; axes non-negative, as
       `check_format` returns them), or None for a float cache.
-    windows: per layer, the window W of a layer kept as a ring of `k[layer].shape[1]` slots,
+    windows: per layer, the window w of a layer kept as a ring of `k[layer].shape[1]` slots,
       or 0 for a layer of max_len slots (static; () = every layer full length).
     capacity: positions a row holds, max_len (static; 0 = `k[0].shape[1]`, a cache without
       rings).

@@ -145,14 +145,14 @@ def _synthetic(b, g, p_V, q_V, seed):
 
 
 _verify = jax.jit(verify)
-B_SYN, G_SYN = 6000, 3  # one shape for every synthetic case: one compile
+B_SYN, A_SYN = 6000, 3  # one shape for every synthetic case: one compile
 
 
 def test_accepted_length_matches_the_formula_with_alpha_from_tv():
   p = np.array([0.5, 0.2, 0.15, 0.1, 0.05, 0, 0, 0])
   q = np.array([0.2, 0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0])
   alpha = np.minimum(p, q).sum()  # 1 - TV(p, q) = 0.65
-  b, g = B_SYN, G_SYN
+  b, g = B_SYN, A_SYN
   num_acc_B, tokens_BX, beta_BA = _synthetic(b, g, p, q, seed=0)
   np.testing.assert_allclose(np.asarray(beta_BA), alpha, rtol=1e-5)
   measured = float(jnp.mean(num_acc_B + 1))
@@ -166,10 +166,10 @@ def test_accepted_length_matches_the_formula_with_alpha_from_tv():
 
 def test_degenerate_drafts_identical_accepts_all_disjoint_accepts_none():
   p = np.array([0.4, 0.3, 0.3, 0, 0, 0, 0, 0])
-  num_acc_B, _, beta_BA = _synthetic(B_SYN, G_SYN, p, p, seed=1)
-  assert int(num_acc_B.min()) == G_SYN and np.allclose(np.asarray(beta_BA), 1.0)
+  num_acc_B, _, beta_BA = _synthetic(B_SYN, A_SYN, p, p, seed=1)
+  assert int(num_acc_B.min()) == A_SYN and np.allclose(np.asarray(beta_BA), 1.0)
   q = np.array([0, 0, 0, 0.5, 0.25, 0.25, 0, 0])
-  num_acc_B, tokens_BX, beta_BA = _synthetic(B_SYN, G_SYN, p, q, seed=2)
+  num_acc_B, tokens_BX, beta_BA = _synthetic(B_SYN, A_SYN, p, q, seed=2)
   assert int(num_acc_B.max()) == 0 and float(jnp.max(beta_BA)) == 0.0
   assert _chi2_pvalue(np.bincount(np.asarray(tokens_BX[:, 0]), minlength=8), p) > 1e-3
 

@@ -13,19 +13,19 @@ from qjax.nn import decode_core
 from qjax.nn.decode_core import LoopState
 
 
-def _scripted(tok_BKX, num_BK=None):
-  """A step that emits tok_BKX[:, i] (num_BK[:, i] of them, default all) at step i; the
+def _scripted(tok_BUX, num_BU=None):
+  """A step that emits tok_BUX[:, i] (num_BU[:, i] of them, default all) at step i; the
   context counts steps and the extra of a token is its step index."""
-  tok_BKX = jnp.asarray(tok_BKX, jnp.int32)
-  if tok_BKX.ndim == 2:
-    tok_BKX = tok_BKX[..., None]
-  b, _, g = tok_BKX.shape
-  num_BK = (jnp.full(tok_BKX.shape[:2], g, jnp.int32) if num_BK is None else
-            jnp.asarray(num_BK, jnp.int32))
+  tok_BUX = jnp.asarray(tok_BUX, jnp.int32)
+  if tok_BUX.ndim == 2:
+    tok_BUX = tok_BUX[..., None]
+  b, _, x = tok_BUX.shape
+  num_BU = (jnp.full(tok_BUX.shape[:2], x, jnp.int32) if num_BU is None else
+            jnp.asarray(num_BU, jnp.int32))
 
   def step(state, i):
-    extra_BX = jnp.full((b, g), i, jnp.float32)
-    return tok_BKX[:, i], extra_BX, num_BK[:, i], state.carry, i + 1
+    extra_BX = jnp.full((b, x), i, jnp.float32)
+    return tok_BUX[:, i], extra_BX, num_BU[:, i], state.carry, i + 1
   return step
 
 
@@ -94,34 +94,34 @@ def test_stop_early_ends_the_block_once_a_row_stopped():
 
 
 def test_multi_token_steps_emit_num_tokens_cut_after_a_stop_token():
-  tok_BKX = np.arange(100, 100 + 2 * 6 * 3).reshape(2, 6, 3)
-  num_BK = [[1, 3, 2, 3, 1, 2], [3, 3, 3, 3, 3, 3]]
-  tok_BKX[1, 1, 1] = 7  # row 1's stop token, mid-step: the third token is dropped
+  tok_BUX = np.arange(100, 100 + 2 * 6 * 3).reshape(2, 6, 3)
+  num_BU = [[1, 3, 2, 3, 1, 2], [3, 3, 3, 3, 3, 3]]
+  tok_BUX[1, 1, 1] = 7  # row 1's stop token, mid-step: the third token is dropped
   state = LoopState.start([0, 0], [30, 30], stop_BS=[[-1], [7]])
-  out, _ = _run(_scripted(tok_BKX, num_BK), state, jnp.int32(0), 6, width=3)
+  out, _ = _run(_scripted(tok_BUX, num_BU), state, jnp.int32(0), 6, width=3)
   assert out.tok_BW.shape == (2, 18)
-  want0 = [t for i, n in enumerate(num_BK[0]) for t in tok_BKX[0, i, :n].tolist()]
+  want0 = [t for i, n in enumerate(num_BU[0]) for t in tok_BUX[0, i, :n].tolist()]
   assert _rows(out) == [want0, [118, 119, 120, 121, 7]]
   np.testing.assert_array_equal(out.num_B, [12, 5])
   np.testing.assert_array_equal(out.extra_BW[1, :5], [0, 0, 0, 1, 1])
 
 
 def test_room_keeps_multi_token_steps_within_the_limit():
-  tok_BKX = np.arange(100, 100 + 2 * 6 * 3).reshape(2, 6, 3)
+  tok_BUX = np.arange(100, 100 + 2 * 6 * 3).reshape(2, 6, 3)
   state = LoopState.start([0, 0], [7, 10])
-  out, _ = _run(_scripted(tok_BKX), state, jnp.int32(0), 6, width=3)
+  out, _ = _run(_scripted(tok_BUX), state, jnp.int32(0), 6, width=3)
   np.testing.assert_array_equal(out.num_B, [9, 12])  # room 0: the last step passes max_B
-  out, _ = _run(_scripted(tok_BKX), state, jnp.int32(0), 6, width=3, room=2)
+  out, _ = _run(_scripted(tok_BUX), state, jnp.int32(0), 6, width=3, room=2)
   np.testing.assert_array_equal(out.num_B, [6, 9])  # a row stops with <= 2 tokens left
   assert not np.asarray(out.state.live_B).any()
 
 
 @pytest.mark.parametrize('width', [1, 3])
 def test_one_step_per_dispatch_equals_eight(width):
-  tok_BKX = np.arange(2 * 16 * width).reshape(2, 16, width) + 10
-  num_BK = np.random.default_rng(0).integers(1, width + 1, (2, 16))
-  stop = int(tok_BKX[1, 9, 0])
-  step = _scripted(tok_BKX, num_BK)
+  tok_BUX = np.arange(2 * 16 * width).reshape(2, 16, width) + 10
+  num_BU = np.random.default_rng(0).integers(1, width + 1, (2, 16))
+  stop = int(tok_BUX[1, 9, 0])
+  step = _scripted(tok_BUX, num_BU)
   state = LoopState.start([0, 0], [13, 40], stop_BS=[[-1], [stop]])
   one = _all_blocks(step, state, 1, width=width)
   eight = _all_blocks(step, state, 8, width=width)

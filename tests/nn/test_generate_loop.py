@@ -1,5 +1,5 @@
-"""`generate.decode_loop`: K decode steps per dispatch with stop tokens, per-row token limits
-and finished rows on the device; the tokens of every K equal those of one step per call."""
+"""`generate.decode_loop`: U decode steps per dispatch with stop tokens, per-row token limits
+and finished rows on the device; the tokens of every U equal those of one step per call."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -49,10 +49,10 @@ def test_stop_tokens_and_row_limits_end_rows_on_the_device(model):
   loop = generate.decode_loop(model, cache, state, decode_block=4)
   rows = [[int(t)] for t in np.asarray(tok)]
   blocks = 0
-  for new_BK, _, num_B in loop:
+  for new_BW, _, num_B in loop:
     blocks += 1
     for b in range(3):
-      rows[b] += new_BK[b, :num_B[b]].tolist()
+      rows[b] += new_BW[b, :num_B[b]].tolist()
   assert rows[0] == want[0].tolist()
   assert rows[1] == want[1, :first_stop + 1].tolist()  # the stop token is kept
   assert rows[2] == want[2, :6].tolist()
