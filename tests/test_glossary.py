@@ -1,0 +1,55 @@
+"""The README's dimension glossary gives each letter one meaning, and the serving and attention
+code names shapes only with letters it lists (einsum strings and `x_BTD`-style suffixes)."""
+
+import collections
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Modules whose shape letters must all come from the glossary.
+CHECKED = (sorted((ROOT / 'qjax' / 'infer').glob('*.py'))
+           + [ROOT / 'qjax' / 'nn' / f'{m}.py' for m in (
+               'attention', 'attention_core', 'attention_forms', 'decode_core', 'kvcache',
+               'generate')]
+           + [ROOT / 'qjax' / 'kernels' / f'{m}.py' for m in (
+               'paged_attention', 'ragged_paged', 'splash', 'tpu_gather')])
+SUFFIX = re.compile(r'\b[a-z][a-z0-9_]*?_([A-Z0-9]*[A-Z][A-Z0-9]*)\b')
+EINSUM = re.compile(r"'([A-Za-z]+(?:,[A-Za-z]+)+->[A-Za-z]+)'")
+
+
+def glossary() -> list[tuple[str, str]]:
+  """(letter, meaning) pairs of the README's glossary table, in table order."""
+  text = (ROOT / 'README.md').read_text(encoding='utf-8')
+  start = text.index('**Dimension glossary**')
+  section = text[start:text.index('\n## ', start)]
+  pairs = []
+  for line in section.splitlines():
+    cells = [c.strip() for c in line.strip().strip('|').split('|')]
+    if not line.startswith('|') or set(''.join(cells)) <= set('-: ') or cells[0] == 'letter':
+      continue
+    pairs += list(zip(cells[0::2], cells[1::2]))
+  return pairs
+
+
+def test_glossary_lists_each_letter_once_with_a_meaning():
+  pairs = glossary()
+  assert len(pairs) >= 20, f'glossary table not found or cut short: {pairs}'
+  bad = [p for p in pairs if not re.fullmatch(r'[A-Z]', p[0]) or not p[1]]
+  assert not bad, f'glossary cells that are not one capital letter with a meaning: {bad}'
+  twice = [k for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1]
+  assert not twice, f'letters the glossary lists more than once: {twice}'
+
+
+def test_serving_and_attention_code_uses_glossary_letters():
+  letters = {k for k, _ in glossary()}
+  unknown = []
+  for path in CHECKED:
+    text = path.read_text(encoding='utf-8')
+    used = {m.group(0): m.group(1) for m in SUFFIX.finditer(text)}
+    used.update({m.group(1): m.group(1).replace(',', '').replace('->', '')
+                 for m in EINSUM.finditer(text)})
+    for name, dims in sorted(used.items()):
+      missing = set(re.sub(r'[0-9]', '', dims)) - letters
+      if missing:
+        unknown.append(f'{path.relative_to(ROOT)}: {name} ({"".join(sorted(missing))})')
+  assert not unknown, 'shape letters missing from the README glossary:\n' + '\n'.join(unknown)
