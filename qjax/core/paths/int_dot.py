@@ -84,12 +84,13 @@ def run(call: Call, x, w, out_dtype, *, target, asked: bool):
   x_reduce = tuple(i for i, c in enumerate(xv) if c in contracted)
   xq, xscale = tiled_path.quantize_rows(x.astype(jnp.float32), x_reduce, call.act)
   acc_dtype = jnp.int32 if call.act == 'int' else jnp.float32
-  if target.platform not in ('cpu', 'tpu'):
-    # XLA:GPU merges dots that share an operand into one GEMM; the projections that read the
-    # same quantized activations (q, k, v) were merged by first transposing their int8 weights
-    # K-minor, a copy of each weight every step (a compile-only H200: 12.6 MB of Llama-3.2-1B's
-    # 61 MB int8 layer at batch 8). Pairing the activations with this call's own codes in a
-    # barrier keeps each dot separate, reading its weight as stored.
+  if target.platform not in ('cpu', 'tpu') and call.bucket == 'decode':
+    # XLA:GPU merges dots that share an operand into one GEMM; at decode rows the projections
+    # that read the same quantized activations (q, k, v) were merged by first transposing
+    # their int8 weights K-minor, a copy of each weight every step (a compile-only H200: 12.6 MB
+    # of Llama-3.2-1B's 61 MB int8 layer at batch 8). Pairing the activations with this call's
+    # own codes in a barrier keeps each dot separate, reading its weight as stored. (At prefill
+    # the merged GEMM read less than the separate ones.)
     xq, codes = jax.lax.optimization_barrier((xq, codes))
   acc = jnp.einsum(f'{xv},{wv}->{acc_l}', xq, codes, preferred_element_type=acc_dtype)
   acc = acc.astype(jnp.float32)
