@@ -113,8 +113,10 @@ class LayoutHooks(shard_hooks.ShardHooks):
       if gathers:
         # The gather may not start before its product's input exists: otherwise the TPU
         # compiler hoists every layer's weight gathers (and the output head's) to the start
-        # of the step to hide their latency, and holds them all gathered at once.
-        x, w_leaves = jax.lax.optimization_barrier((x, list(w_leaves)))
+        # of the step to hide their latency, and holds them all gathered at once. Only the
+        # weight takes the barrier's output: products of the same input (q, k, v; gate, up)
+        # then gather that input once, not once each.
+        _, w_leaves = jax.lax.optimization_barrier((x, list(w_leaves)))
       with jax.named_scope('gather_weight'):
         w_leaves = [_gather(leaf, {d: _suffix(s[d], u[d], what) for d in range(len(s))},
                             self.mesh)
