@@ -22,8 +22,8 @@ def _prose(path: pathlib.Path) -> str:
 
 
 def github_slug(heading: str) -> str:
-  """The anchor GitHub gives a heading: lowercase, punctuation dropped, spaces to '-'."""
-  text = re.sub(r'[`*_]|\[([^\]]*)\]\([^)]*\)', r'\1', heading.strip().lower())
+  """The anchor GitHub gives a heading: lowercase, punctuation but '-' and '_' dropped, spaces to '-'."""
+  text = re.sub(r'[`*]|\[([^\]]*)\]\([^)]*\)', r'\1', heading.strip().lower())
   return re.sub(r'[^\w\- ]', '', text).replace(' ', '-')
 
 
