@@ -88,7 +88,7 @@ def greedy_agreement(ref_model, test_model, prompts_BT, num_tokens: int) -> dict
 
 
 def greedy_match(ref_model, test_model, prompts_BT, num_tokens: int):
-  """(same_BN, prefix_B): where two models' greedy continuations of N = num_tokens tokens
+  """(same_BO, prefix_B): where two models' greedy continuations of O = num_tokens tokens
   agree, and each prompt's identical-prefix length."""
   prompts_BT = jnp.asarray(prompts_BT)
   t = prompts_BT.shape[1]

@@ -182,17 +182,17 @@ def mark_non_finite(tok_B: jax.Array, logits_BV: jax.Array) -> jax.Array:
   return jnp.where(finite_rows(logits_BV), tok_B, jnp.asarray(NON_FINITE, tok_B.dtype))
 
 
-def raise_non_finite(tokens_BN, what: str, start: int = 0) -> None:
+def raise_non_finite(tokens_BO, what: str, start: int = 0) -> None:
   """Host: raise if a generated token is `NON_FINITE`, naming the row and the step.
 
   Args:
-    tokens_BN: generated tokens (one host read, after the loop).
+    tokens_BO: generated tokens (one host read, after the loop).
     what: the loop, for the message.
     start: the column of the first generated token.
   """
-  if isinstance(tokens_BN, jax.core.Tracer):  # a loop traced by an outer jit: no values
+  if isinstance(tokens_BO, jax.core.Tracer):  # a loop traced by an outer jit: no values
     return
-  out = np.asarray(tokens_BN)[:, start:]
+  out = np.asarray(tokens_BO)[:, start:]
   hit = np.argwhere(out == NON_FINITE)
   if hit.size:
     row, step = (int(j) for j in hit[0])

@@ -65,13 +65,13 @@ class TruncatedHeadTransformer(Transformer):
 
   def logits(self, x_BTD: jax.Array) -> jax.Array:
     h_BTD = self.final_norm(x_BTD)
-    rows_KD = self.head_rows[...]
-    logits_BTK = jnp.einsum('BTD,KD->BTK', h_BTD.astype(rows_KD.dtype), rows_KD,
+    rows_VD = self.head_rows[...]  # the kept ids' rows: this V is the truncated vocabulary
+    logits_BTV = jnp.einsum('BTD,VD->BTV', h_BTD.astype(rows_VD.dtype), rows_VD,
                             preferred_element_type=jnp.float32)
-    logits_BTK = softcap(logits_BTK, self.config.final_logit_softcap)
-    b, t, _ = logits_BTK.shape
+    logits_BTV = softcap(logits_BTV, self.config.final_logit_softcap)
+    b, t, _ = logits_BTV.shape
     full_BTV = jnp.full((b, t, self.config.vocab_size), -jnp.inf, jnp.float32)
-    return full_BTV.at[..., self.head_ids[...]].set(logits_BTK)
+    return full_BTV.at[..., self.head_ids[...]].set(logits_BTV)
 
 
 def _head_rows(model: Transformer, ids: np.ndarray) -> jax.Array:
