@@ -22,7 +22,7 @@ def _prose(path: pathlib.Path) -> str:
 
 
 def github_slug(heading: str) -> str:
-  """The anchor GitHub gives a heading: lowercase, punctuation but '-' and '_' dropped, spaces to '-'."""
+  """GitHub's anchor for a heading: lowercase, punctuation but '-' and '_' dropped."""
   text = re.sub(r'[`*]|\[([^\]]*)\]\([^)]*\)', r'\1', heading.strip().lower())
   return re.sub(r'[^\w\- ]', '', text).replace(' ', '-')
 
