@@ -1,5 +1,5 @@
 """The TPU compiler on small cases: a one-layer model, three layouts, an 8-chip v5e slice; and
-one layer of Llama-3-8B under a weight-gathered layout.
+one layer of Llama-3-8B under a weight-gathered layout; a small model's QAT train step.
 
 The compile-only toolchain (libtpu) must not be loaded by the test processes, so the compile
 runs in a subprocess with JAX_PLATFORMS=cpu (`qjax.aot.toolchain`). Compiled memory per chip
@@ -46,6 +46,16 @@ m = r.estimate.memory
 out['gathered'] = dict(memory=r.memory_ratio, comm=r.comm_ratio, fits=r.compiled.fits,
                        temp=r.compiled.temp_bytes, head=m.head_workspace_bytes,
                        seconds=r.compiled.compile_s)
+# A QAT step (float32 master weights fake-quantized, AdamW) under wg_x: batch over x, weights
+# stored over every chip and gathered over x, features over y*z.
+small = costmodel.ModelShape('small', n_layers=1, d_model=1024, d_ff=4096, n_heads=8,
+                             head_dim=128, n_kv_heads=8, vocab=8192, glu=True)
+t = aot.compile_train_step(small, 'v5e:2x4', layout='wg_x+multihead', mesh='2x4x1', batch=8,
+                           seq_len=64, depths=None)
+plan = costmodel.train_memory(small, '2x4x1', batch=8, seq_len=64)
+out['train'] = dict(fits=t.fits, params=t.param_bytes, adam=t.opt_state_bytes, temp=t.temp_bytes,
+                    plan_weights=plan.weights_bytes, plan_adam=plan.optimizer_bytes,
+                    seconds=t.compile_s)
 print('RESULT', json.dumps(out))
 '''
 
@@ -90,3 +100,11 @@ def test_weight_gathered_head_is_held_once(compiled):
   assert abs(r['memory'] - 1) <= 0.10, r
   assert abs(r['comm'] - 1) <= 0.20, r
   assert r['temp'] <= 1.10 * r['head'], r
+
+
+def test_train_step_shards_weights_and_adam_as_the_planner_counts(compiled):
+  # Fully sharded: each chip holds 1/8 of the float32 weights and of Adam's two moments.
+  r = compiled['train']
+  assert r['fits'] and r['temp'] > 0, r
+  assert abs(r['params'] / r['plan_weights'] - 1) <= 0.10, r
+  assert abs(r['adam'] / r['plan_adam'] - 1) <= 0.10, r
