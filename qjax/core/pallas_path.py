@@ -61,6 +61,13 @@ def _operands(xs, ws, out, w: QArray):
   return a, data.reshape(k, -1), s_gn.reshape(sk, n)
 
 
+def kernel_out_dtype(out_dtype):
+  """The dtype a Triton / Pallas qmm kernel writes for `out_dtype`: itself where the kernel
+  rounds its f32 sums to it once (bf16, f16, f32: no f32 (M, N) in HBM), else float32."""
+  return (out_dtype if jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float16, jnp.float32)
+          else jnp.float32)
+
+
 def refusal(xs: str, ws: str, out: str, x_shape, w: QArray):
   """None where the kernel takes `w` under this spec (any number of rows), else why not."""
   del x_shape
@@ -93,11 +100,8 @@ def pallas_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray, out_dtype
   x2 = x2.reshape(math.prod(m_shape), k)
   if x2.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
     x2 = x2.astype(jnp.float32)
-  # The kernel rounds its f32 sums to the output dtype once: no f32 (M, N) in HBM.
-  kernel_out = (out_dtype if jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float16, jnp.float32)
-                else jnp.float32)
   y2 = pallas_qmm.qmm(x2, codes, s_gn, bits=w.qtype.bits, interpret=interpret,
-                      out_dtype=kernel_out)
+                      out_dtype=kernel_out_dtype(out_dtype))
   y = y2.reshape(m_shape + tuple(w.shape[a:]))
   letters = ''.join(x_only) + ws[a:]
   return jnp.transpose(y, [letters.index(c) for c in out]).astype(out_dtype)

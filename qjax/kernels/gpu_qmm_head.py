@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from qjax import target as qjax_target
+from qjax.kernels.pallas_qmm import int4_fields
 
 MAX_ROWS = 64
 _ROW_PAD = 16
@@ -39,12 +40,6 @@ def _block(n: int, limit: int) -> Optional[int]:
       return b
     b //= 2
   return None
-
-
-def _fields(b):
-  b = b.astype(jnp.int32)
-  lo, hi = b & 15, (b >> 4) & 15
-  return lo - ((lo >> 3) << 4), hi - ((hi >> 3) << 4)
 
 
 def _kernel(*refs, bits: int, bk: int, group: int, m: int):
@@ -64,7 +59,7 @@ def _kernel(*refs, bits: int, bk: int, group: int, m: int):
     else:  # low nibbles multiply the even columns of x, high nibbles the odd ones
       half = bk // 2
       xe, xo = x_ref[:, pl.ds(i * half, half)], xo_ref[:, pl.ds(i * half, half)]
-      lo, hi = _fields(w_ref[:, pl.ds(i * half, half)])
+      lo, hi = int4_fields(w_ref[:, pl.ds(i * half, half)])
       part = (jax.lax.dot_general(xe, lo.astype(xe.dtype), dims,
                                   preferred_element_type=jnp.float32)
               + jax.lax.dot_general(xo, hi.astype(xo.dtype), dims,

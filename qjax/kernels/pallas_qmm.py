@@ -56,7 +56,7 @@ def _block(n: int, limit: int) -> int:
   return n
 
 
-def _int4_fields(b):
+def int4_fields(b):
   """Signed low and high nibbles of uint8 bytes, as int32."""
   b = b.astype(jnp.int32)
   lo, hi = b & 15, (b >> 4) & 15
@@ -77,7 +77,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, bits: int, bk: int, group: int, m: in
     x = x_blk[...] if m % bm == 0 else pl_triton.load(x_blk, mask=row < m, other=0)
     w = w_ref[pl.ds(i * bk, bk), :]
     if bits == 4:  # the two nibbles of each byte back to adjacent columns, in registers
-      lo, hi = _int4_fields(w)
+      lo, hi = int4_fields(w)
       w = jnp.stack([lo, hi], axis=-1).reshape(bk, bn)
     part = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     if group < k:  # this block's group: its partial sum times its scale row
@@ -113,7 +113,7 @@ def _tpu_kernel_int4(x_ref, w_ref, se_ref, so_ref, oe_ref, oo_ref):
     oo_ref[...] = jnp.zeros_like(oo_ref)
 
   x = x_ref[...]
-  lo, hi = _int4_fields(w_ref[...])
+  lo, hi = int4_fields(w_ref[...])
   oe_ref[...] += jnp.dot(x, lo.astype(x.dtype), preferred_element_type=jnp.float32) * se_ref[0]
   oo_ref[...] += jnp.dot(x, hi.astype(x.dtype), preferred_element_type=jnp.float32) * so_ref[0]
 

@@ -61,9 +61,8 @@ def run(call: Call, x, w, out_dtype, *, target, asked: bool):
   if call.qtype.native_int4:  # XLA's s4 bytes are qjax's packing (`pallas_path`)
     data = lax.bitcast_convert_type(data.reshape(v, d // 2, 2), jnp.uint8)
   scale = jnp.broadcast_to(w.scale, (v, w.scale.shape[1]))
-  kernel_out = (out_dtype if jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float16, jnp.float32)
-                else jnp.float32)
-  y2 = gpu_qmm_head.qmm_nk(x2, data, scale, bits=call.qtype.bits, out_dtype=kernel_out)
+  y2 = gpu_qmm_head.qmm_nk(x2, data, scale, bits=call.qtype.bits,
+                           out_dtype=pallas_path.kernel_out_dtype(out_dtype))
   y = y2.reshape(tuple(x.shape[xs.index(c)] for c in x_only) + (v,))
   letters = ''.join(x_only) + ws[0]
   return y.transpose([letters.index(c) for c in out]).astype(out_dtype)
