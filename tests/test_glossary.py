@@ -27,7 +27,7 @@ def glossary() -> list[tuple[str, str]]:
     cells = [c.strip() for c in line.strip().strip('|').split('|')]
     if not line.startswith('|') or set(''.join(cells)) <= set('-: ') or cells[0] == 'letter':
       continue
-    pairs += list(zip(cells[0::2], cells[1::2]))
+    pairs += [(k, n) for k, n in zip(cells[0::2], cells[1::2]) if k or n]  # a row's empty half
   return pairs
 
 

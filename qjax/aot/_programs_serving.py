@@ -131,7 +131,7 @@ def engine_decode_block(m: AbstractModel, config: EngineConfig) -> Program:
     return block_fn(graphdef, state, cache, rows, params, k, stop_early)
 
   ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  rows = LoopState(tok_B=ints(b), count_B=ints(b), max_B=ints(b), stop_BS=ints(b, 1),
+  rows = LoopState(tok_B=ints(b), count_B=ints(b), max_B=ints(b), stop_BZ=ints(b, 1),
                    live_B=jax.ShapeDtypeStruct((b,), jnp.bool_))
   cache = abstract_cache(m, config)
   return Program(f'engine_block B={b} x{k} kv={config.kv_format}', run,

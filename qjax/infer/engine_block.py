@@ -135,7 +135,7 @@ class BlockDecoding:
         num_new=res.put('num_new', np.zeros(len(rows), np.int32)), seq_of=None,
         slot_of=None, att_width=0, att_wide=0)
     loop = x.loop()
-    names = dict(tok_B='tok', count_B='position', max_B='max', stop_BS='stop', live_B='live')
+    names = dict(tok_B='tok', count_B='position', max_B='max', stop_BZ='stop', live_B='live')
     dev_rows = LoopState(**{f: res.put(name, loop[f]) for f, name in names.items()})
     params = r.sampling(x.params)
     stop_early = np.bool_(bool(r.scheduler.waiting))

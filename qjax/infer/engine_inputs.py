@@ -61,7 +61,7 @@ class StepInputs:
   tok_B: np.ndarray  # the last known token (a decode's input)
   position_B: np.ndarray  # index of the next output token (the sampler's stream position)
   max_B: np.ndarray  # max_tokens
-  stop_BS: np.ndarray  # stop tokens, -1 padded
+  stop_BZ: np.ndarray  # stop tokens, -1 padded
   live_B: np.ndarray
   params: list  # SamplingParams per row (`GREEDY` where not live)
   tokens_M1: Optional[np.ndarray] = None  # packed: the fed tokens
@@ -81,7 +81,7 @@ class StepInputs:
   def loop(self) -> dict:
     """The rows' loop state (`decode_core.LoopState` fields) as host arrays."""
     return dict(tok_B=self.tok_B, count_B=self.position_B, max_B=self.max_B,
-                stop_BS=self.stop_BS, live_B=self.live_B)
+                stop_BZ=self.stop_BZ, live_B=self.live_B)
 
 
 def build(rows, num_new, *, max_pages: int, ring_width: int, buckets_nwc=None,
@@ -96,7 +96,7 @@ def build(rows, num_new, *, max_pages: int, ring_width: int, buckets_nwc=None,
       table_BE=np.zeros((b, max_pages), np.int32), ring_BE=np.zeros((b, ring_width), np.int32),
       length_B=np.zeros(b, np.int32), num_new_B=np.zeros(b, np.int32),
       tok_B=np.zeros(b, np.int32), position_B=np.zeros(b, np.int32),
-      max_B=np.zeros(b, np.int32), stop_BS=np.full((b, width), -1, np.int32),
+      max_B=np.zeros(b, np.int32), stop_BZ=np.full((b, width), -1, np.int32),
       live_B=np.zeros(b, bool), params=[GREEDY] * b)
   for row, (seq, n) in enumerate(zip(rows, num_new)):
     if seq is None or not n:
@@ -106,7 +106,7 @@ def build(rows, num_new, *, max_pages: int, ring_width: int, buckets_nwc=None,
     x.length_B[row], x.num_new_B[row] = seq.num_cached, n
     x.tok_B[row], x.position_B[row] = seq.tokens[-1], len(seq.output)
     x.max_B[row] = seq.max_tokens
-    x.stop_BS[row, :len(seq.params.stop_tokens)] = seq.params.stop_tokens
+    x.stop_BZ[row, :len(seq.params.stop_tokens)] = seq.params.stop_tokens
     x.live_B[row], x.params[row] = True, seq.params
   if buckets_nwc is not None:
     _pack(x, rows, buckets_nwc, chunk_size)

@@ -237,8 +237,8 @@ def speculative_generate(target, draft, prompt_BT, max_tokens: int, params=None,
                     kvcache.init_cache(target.config, b, size, fmt=kv_format(target)))
   dcache = _prefill(draft, prompt_BT[:, :-1],
                     kvcache.init_cache(draft.config, b, size, fmt=kv_format(draft)))
-  stop_BS = stop_table([p.stop_tokens for p in plist])
-  loop = LoopState.start(prompt_BT[:, -1], max_tokens, stop_BS=stop_BS)
+  stop_BZ = stop_table([p.stop_tokens for p in plist])
+  loop = LoopState.start(prompt_BT[:, -1], max_tokens, stop_BZ=stop_BZ)
   rounds_per_dispatch = validate.count(rounds_per_dispatch, 'rounds_per_dispatch',
                                        'speculative_generate')
   how = spec_round.RoundConfig(gamma=gamma, block=rounds_per_dispatch,

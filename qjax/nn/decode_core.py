@@ -12,7 +12,7 @@ ends after a stop token (kept; later tokens of the same step are dropped), after
 token (`validate.NON_FINITE`: the logits were not finite), or once it has no more than
 `room` tokens left to generate. Rows that are not live still run (fixed shapes); their
 outputs are discarded. Letters: U steps per block, X tokens a step may emit, W = U * X
-token columns a block records per row.
+token columns a block records per row, Z stop tokens per row (the columns of its stop table).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class LoopState:
     tok_B: int32, each row's last token (fed by the next step).
     count_B: int32, tokens each row has generated (the output index of its next token).
     max_B: int32, tokens each row may generate; a row stops when count_B reaches it.
-    stop_BS: int32, each row's stop tokens, padded with -1 (S >= 1); a row stops after one.
+    stop_BZ: int32, each row's stop tokens, padded with -1 (Z >= 1); a row stops after one.
     live_B: bool, rows still generating (a row also stops at a `NON_FINITE` token).
     carry: the step's pytree (sampling parameters, seen-token masks).
   """
@@ -43,26 +43,26 @@ class LoopState:
   tok_B: jax.Array
   count_B: jax.Array
   max_B: jax.Array
-  stop_BS: jax.Array
+  stop_BZ: jax.Array
   live_B: jax.Array
   carry: Any = ()
 
   @classmethod
-  def start(cls, tok_B, max_B, *, count_B=None, stop_BS=None, carry=()) -> 'LoopState':
+  def start(cls, tok_B, max_B, *, count_B=None, stop_BZ=None, carry=()) -> 'LoopState':
     """The state of rows whose last token is tok_B: count 0 (or count_B), no stops (or
-    stop_BS), every row live that has a token left to generate."""
+    stop_BZ), every row live that has a token left to generate."""
     tok_B = jnp.asarray(tok_B, jnp.int32)
     b = tok_B.shape[0]
     count_B = (jnp.zeros((b,), jnp.int32) if count_B is None else
                jnp.asarray(count_B, jnp.int32))
     max_B = jnp.broadcast_to(jnp.asarray(max_B, jnp.int32), (b,))
-    stop_BS = (jnp.full((b, 1), -1, jnp.int32) if stop_BS is None else
-               jnp.asarray(stop_BS, jnp.int32))
-    return cls(tok_B, count_B, max_B, stop_BS, (count_B < max_B) & (tok_B >= 0), carry)
+    stop_BZ = (jnp.full((b, 1), -1, jnp.int32) if stop_BZ is None else
+               jnp.asarray(stop_BZ, jnp.int32))
+    return cls(tok_B, count_B, max_B, stop_BZ, (count_B < max_B) & (tok_B >= 0), carry)
 
 
 def stop_table(stop_tokens: Sequence[Sequence[int]]) -> np.ndarray:
-  """stop_BS: each row's stop tokens padded with -1 (at least one column)."""
+  """stop_BZ: each row's stop tokens padded with -1 (at least one column)."""
   s = max([len(t) for t in stop_tokens] + [1])
   out = np.full((len(stop_tokens), s), -1, np.int32)
   for row, toks in enumerate(stop_tokens):
@@ -95,7 +95,7 @@ def _emit(state: LoopState, tok_BX, num_B):
   token among the step's num_B) and the rows that met one."""
   x = tok_BX.shape[1]
   j_X = jnp.arange(x)
-  stop_BX = jnp.any(tok_BX[..., None] == state.stop_BS[:, None, :], axis=-1) | (tok_BX < 0)
+  stop_BX = jnp.any(tok_BX[..., None] == state.stop_BZ[:, None, :], axis=-1) | (tok_BX < 0)
   first_B = jnp.min(jnp.where(stop_BX & (j_X < num_B[:, None]), j_X, x), axis=1)
   num_B = jnp.where(state.live_B, jnp.minimum(num_B, first_B + 1), 0)
   return num_B, state.live_B & (first_B < num_B)

@@ -52,7 +52,7 @@ def test_build_packs_a_decode_beside_a_prompt_chunk():
   assert x.table_BE.tolist() == [[3, 0, 0, 0], [7, 0, 0, 0]]
   assert x.length_B.tolist() == [2, 0] and x.num_new_B.tolist() == [1, 3]
   assert x.tok_B.tolist() == [9, 6] and x.position_B.tolist() == [1, 0]
-  assert x.stop_BS.tolist() == [[5, 6, 7, -1], [-1, -1, -1, -1]]  # 3 stops: 4 columns
+  assert x.stop_BZ.tolist() == [[5, 6, 7, -1], [-1, -1, -1, -1]]  # 3 stops: 4 columns
   assert x.params == [stop, GREEDY] and x.live_B.tolist() == [True, True]
   assert x.seen_BV is None
 

@@ -57,7 +57,7 @@ STREAM = np.arange(10, 42).reshape(2, 16)  # row 0: 10, 11, ...; row 1: 26, 27, 
 
 
 def test_stop_tokens_and_token_limits_end_rows_keeping_the_stop_token():
-  state = LoopState.start([1, 2], [16, 9], stop_BS=decode_core.stop_table([[14, 99], []]))
+  state = LoopState.start([1, 2], [16, 9], stop_BZ=decode_core.stop_table([[14, 99], []]))
   out, ctx = _run(_scripted(STREAM), state, jnp.int32(0), 16)
   assert _rows(out) == [[10, 11, 12, 13, 14], list(range(26, 35))]
   np.testing.assert_array_equal(out.num_B, [5, 9])
@@ -97,7 +97,7 @@ def test_multi_token_steps_emit_num_tokens_cut_after_a_stop_token():
   tok_BUX = np.arange(100, 100 + 2 * 6 * 3).reshape(2, 6, 3)
   num_BU = [[1, 3, 2, 3, 1, 2], [3, 3, 3, 3, 3, 3]]
   tok_BUX[1, 1, 1] = 7  # row 1's stop token, mid-step: the third token is dropped
-  state = LoopState.start([0, 0], [30, 30], stop_BS=[[-1], [7]])
+  state = LoopState.start([0, 0], [30, 30], stop_BZ=[[-1], [7]])
   out, _ = _run(_scripted(tok_BUX, num_BU), state, jnp.int32(0), 6, width=3)
   assert out.tok_BW.shape == (2, 18)
   want0 = [t for i, n in enumerate(num_BU[0]) for t in tok_BUX[0, i, :n].tolist()]
@@ -122,7 +122,7 @@ def test_one_step_per_dispatch_equals_eight(width):
   num_BU = np.random.default_rng(0).integers(1, width + 1, (2, 16))
   stop = int(tok_BUX[1, 9, 0])
   step = _scripted(tok_BUX, num_BU)
-  state = LoopState.start([0, 0], [13, 40], stop_BS=[[-1], [stop]])
+  state = LoopState.start([0, 0], [13, 40], stop_BZ=[[-1], [stop]])
   one = _all_blocks(step, state, 1, width=width)
   eight = _all_blocks(step, state, 8, width=width)
   assert one[0] == eight[0] and one[1] == eight[1]

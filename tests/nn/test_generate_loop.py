@@ -45,7 +45,7 @@ def test_stop_tokens_and_row_limits_end_rows_on_the_device(model):
   cache = init_cache(model.config, 3, 40)
   tok, cache = generate.greedy_step(model, prompt, cache)
   stops = generate.stop_table([[], [stop], []])
-  state = generate.LoopState.start(tok, [12, 12, 6], count_B=np.ones(3), stop_BS=stops)
+  state = generate.LoopState.start(tok, [12, 12, 6], count_B=np.ones(3), stop_BZ=stops)
   loop = generate.decode_loop(model, cache, state, decode_block=4)
   rows = [[int(t)] for t in np.asarray(tok)]
   blocks = 0
