@@ -1,11 +1,14 @@
 """README.md and docs/ hold together: relative links resolve (anchors included), every page
-is reachable, results are not copied between pages, a figure the README quotes is its page's,
-a docs page's measured tables name their date and command, and the whole tree's text speaks
-of the software, not of how it was developed."""
+is reachable, results are not copied between pages, each figure the README quotes is in the
+section its link names, a docs page's measured tables name their date and command, and every
+text file of the repository (no page or folder exempt) speaks of the software, not of how it
+was developed."""
 
 import collections
+import json
 import pathlib
 import re
+import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / 'docs'
@@ -104,23 +107,34 @@ PROCESS = re.compile('|'.join([
     r'\bno network here\b', r'\bnot filed\b', r'\bunder a \d+ s call\b',
     r'(?<![\'"])(?<!test )\bsessions?\b(?![\'"])', r'\bagents?\b',
 ]), flags=re.I)
-TREE = ('README.md', 'docs', 'qjax', 'benchmarks', 'tests', 'experiments', 'configs')
-TEXT_SUFFIXES = {'.md', '.py', '.sh', '.cc', '.inc', '.h', '.toml', '.cfg'}
-# Not the project's own text: third-party corpora and test data; and this file, which holds
-# the patterns themselves.
-NOT_CHECKED = ('qjax/data/corpora/', 'tests/testdata/', 'tests/test_docs.py')
+# Not the project's own text: third-party corpora and licences, test data, and this file,
+# which holds the patterns themselves.
+NOT_CHECKED = ('qjax/data/corpora/', 'tests/testdata/', 'tests/test_docs.py', 'LICENSE', 'NOTICE')
+NOT_TEXT = {'.png', '.npz', '.safetensors', '.gguf', '.pdf', '.jpg'}
+SKIPPED_DIRS = {'.git', '.venv', '.venv312', 'results', '__pycache__', '.pytest_cache',
+                '.ruff_cache', '.hypothesis', 'build', 'dist'}
 
 
 def _tree_files() -> list[pathlib.Path]:
-  files = []
-  for top in TREE:
-    path = ROOT / top
-    for f in ([path] if path.is_file() else sorted(path.rglob('*'))):
-      rel = f.relative_to(ROOT).as_posix()
-      if (f.is_file() and f.suffix in TEXT_SUFFIXES and '__pycache__' not in rel
-          and not rel.startswith(NOT_CHECKED)):
-        files.append(f)
-  return files
+  """Every text file of the repository, no folder or page exempt: what git tracks and the new
+  files it does not ignore (outside a checkout, every file below the root but build output)."""
+  try:
+    listed = subprocess.run(['git', 'ls-files', '--cached', '--others', '--exclude-standard'],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    rels = sorted(set(listed.splitlines()))
+  except (OSError, subprocess.CalledProcessError):
+    rels = sorted(f.relative_to(ROOT).as_posix() for f in ROOT.rglob('*')
+                  if f.is_file() and not SKIPPED_DIRS & set(f.relative_to(ROOT).parts))
+  files = [ROOT / rel for rel in rels
+           if not rel.startswith(NOT_CHECKED) and pathlib.PurePosixPath(rel).suffix not in NOT_TEXT
+           and '.egg-info/' not in rel]
+  return [f for f in files if f.is_file() and b'\0' not in f.read_bytes()[:8192]]
+
+
+def _notebook_prose(path: pathlib.Path) -> str:
+  """The markdown cells of a notebook: its prose."""
+  cells = json.loads(path.read_text(encoding='utf-8'))['cells']
+  return '\n\n'.join(''.join(c['source']) for c in cells if c['cell_type'] == 'markdown')
 
 
 def process_hits(path: pathlib.Path) -> list[str]:
@@ -130,8 +144,9 @@ def process_hits(path: pathlib.Path) -> list[str]:
   for i, line in enumerate(text.splitlines(), 1):
     if PROCESS.search(line):
       hits.append(f'{path.relative_to(ROOT)}:{i}: {line.strip()[:120]}')
-  if path.suffix == '.md':
-    for i, line in enumerate(_prose(path).splitlines(), 1):
+  if path.suffix in ('.md', '.ipynb'):
+    prose = _prose(path) if path.suffix == '.md' else _notebook_prose(path)
+    for i, line in enumerate(prose.splitlines(), 1):
       if PROSE_PROCESS.search(line) and not line.startswith(('    ', '\t')):  # indented: logs
         hits.append(f'{path.relative_to(ROOT)} (prose line {i}): {line.strip()[:120]}')
   return hits
@@ -139,7 +154,7 @@ def process_hits(path: pathlib.Path) -> list[str]:
 
 def test_text_speaks_of_the_software():
   files = _tree_files()
-  assert len(files) > 200, f'only {len(files)} files found: is the tree walk broken?'
+  assert len(files) > 400 and ROOT / 'Makefile' in files, f'{len(files)} files: is the walk broken?'
   hits = [h for f in files for h in process_hits(f)]
   assert not hits, 'text about how the project was developed, not about qjax:\n' + '\n'.join(
       hits)
@@ -147,6 +162,9 @@ def test_text_speaks_of_the_software():
 
 # A figure: a number with a decimal point, or a percentage (dates are taken out first).
 FIGURE = re.compile(r'(?<![\w.])\d+(?:\.\d+)?%|(?<![\w.])\d+\.\d+(?![\w.]*\d)')
+# A whole number with a unit the README quotes from a page: '142 MB', '16 rows', '200 steps'.
+COUNT = re.compile(r'(?<![\w.,-])(\d{1,3}(?:,\d{3})+|\d+)(?=\s?(?:x\b|MB\b|MiB\b|GB\b|GiB\b|'
+                   r'ms\b|s\b|min\b|tokens?\b|tok/s|rows\b|steps\b|requests\b|layers\b|passed\b))')
 DATE = re.compile(r'\b20\d\d-\d\d-\d\d\b')
 
 
@@ -156,6 +174,38 @@ def figures(text: str) -> set[str]:
   return set(FIGURE.findall(text))
 
 
+def counts(text: str) -> set[str]:
+  """The whole numbers of a text that carry a unit (thousands separators dropped)."""
+  text = re.sub(r'\]\([^)]*\)', ']', DATE.sub(' ', text))
+  return {c.replace(',', '') for c in COUNT.findall(text)}
+
+
+def numbers(text: str) -> set[str]:
+  """Every number of a text, as written but for thousands separators."""
+  return {n.replace(',', '') for n in re.findall(r'\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?', text)}
+
+
+def section(path: pathlib.Path, anchor: str) -> str:
+  """The text under the heading of `path` whose anchor is `anchor`, down to the next heading
+  of its level or above (the whole page for no anchor)."""
+  if not anchor:
+    return path.read_text(encoding='utf-8')
+  seen, level, lines, fenced = collections.Counter(), 0, [], False
+  for line in path.read_text(encoding='utf-8').splitlines():
+    fenced ^= line.startswith('```')
+    match = None if fenced else re.match(r'(#{1,6}) (.*)', line)
+    if match:
+      if level and len(match.group(1)) <= level:
+        break
+      slug = github_slug(match.group(2))
+      if not level and (slug if not seen[slug] else f'{slug}-{seen[slug]}') == anchor:
+        level = len(match.group(1))
+      seen[slug] += 1
+    if level:
+      lines.append(line)
+  return '\n'.join(lines)
+
+
 def _paragraphs(path: pathlib.Path) -> list[str]:
   """The prose of `path` in units that quote one page: paragraphs, list items, table rows."""
   units = re.split(r'\n\s*\n|\n(?=[-*] |\|)', _prose(path))
@@ -163,25 +213,29 @@ def _paragraphs(path: pathlib.Path) -> list[str]:
 
 
 def test_readme_figures_are_their_pages_figures():
-  # Each README paragraph, list item or table row that links docs pages quotes figures from
-  # them; a figure no linked page holds is a copy that has drifted.
+  # Each README paragraph, list item or table row that links docs pages quotes its figures
+  # from them, each from the section its link names (the whole page for a link without an
+  # anchor): a decimal or a percentage that section does not hold, or a count with a unit
+  # ('142 MB', '16 rows') whose number it does not hold, is a copy that has drifted.
   readme = ROOT / 'README.md'
   checked, wrong = 0, []
   for paragraph in _paragraphs(readme):
-    pages = {(readme.parent / link.partition('#')[0]).resolve()
-             for link in LINK.findall(paragraph)
-             if link.partition('#')[0].endswith('.md') and 'docs/' in link}
-    pages = [p for p in pages if p.exists()]
-    if not pages:
+    sources = {}
+    for link in LINK.findall(paragraph):
+      target, _, anchor = link.partition('#')
+      path = (readme.parent / target).resolve()
+      if target.endswith('.md') and 'docs/' in target and path.exists():
+        sources[f'{path.name}#{anchor}' if anchor else path.name] = section(path, anchor)
+    if not sources:
       continue
-    have = set().union(*(figures(p.read_text(encoding='utf-8')) for p in pages))
-    for figure in sorted(figures(paragraph)):
-      checked += 1
-      if figure not in have:
-        wrong.append(f'{figure} (in: {paragraph.strip()[:80]}...) is not in '
-                     f'{sorted(p.name for p in pages)}')
-  assert checked >= 10, f'only {checked} README figures checked: is the parser broken?'
-  assert not wrong, 'README figures its linked pages do not hold:\n' + '\n'.join(wrong)
+    text = '\n'.join(sources.values())
+    missing = ([f for f in sorted(figures(paragraph)) if f not in figures(text)]
+               + [c for c in sorted(counts(paragraph)) if c not in numbers(text)])
+    checked += len(figures(paragraph)) + len(counts(paragraph))
+    wrong += [f'{f} (in: {paragraph.strip()[:70]}...) is not in {sorted(sources)}'
+              for f in missing]
+  assert checked >= 20, f'only {checked} README figures checked: is the parser broken?'
+  assert not wrong, 'README figures the sections they link do not hold:\n' + '\n'.join(wrong)
 
 
 COMMAND = re.compile(r'python3? -m\s|\bmake [a-z]|\bpytest\b|tests/\S+\.py')
@@ -226,7 +280,7 @@ def test_docs_pages_are_reference_sized():
   assert not long, f'docs pages over {MAX_PAGE_LINES} lines (move history to git): {long}'
 
 
-def test_the_checks_would_catch_one():
+def test_the_checks_would_catch_one(tmp_path):
   assert github_slug('QAT + distillation, 200 steps (2026-12-03, idle)') == (
       'qat--distillation-200-steps-2026-12-03-idle')
   assert github_slug("The demo's `RTN` sweep") == 'the-demos-rtn-sweep'
@@ -238,6 +292,12 @@ def test_the_checks_would_catch_one():
   assert not PROSE_PROCESS.search('int4 g128 on 2 cores (#rows: 8)')
   assert figures('2.28x at 16 rows (2026-12-03; 1.69x), 4.8-5.4x, 83.5% [a](b-1.5.md)') == {
       '2.28', '1.69', '4.8', '5.4', '83.5%'}
+  assert counts('142 MB, at 16 rows, 1,072 tokens, a 2-core CPU, 4.0x, g128') == {
+      '142', '16', '1072'}
+  doc = tmp_path / 'a.md'
+  doc.write_text('# A\n1.5\n## B b\n2.5\n```\n# a comment\n```\n### C\n3.5\n## D\n4.5\n')
+  assert figures(section(doc, 'b-b')) == {'2.5', '3.5'} and figures(section(doc, '')) == {
+      '1.5', '2.5', '3.5', '4.5'}
   page = ('# A\n\nno date here\n\n| undated | b |\n|---|---|\n| x | 1.5 |\n\n'
           '# B\n\n2026-12-01, `python -m benchmarks.x`:\n\n| dated | b |\n|---|---|\n'
           '| x | 1.5 |\n\n| same section | b |\n|---|---|\n| x | 2.5 |\n\n'

@@ -1,9 +1,12 @@
 """The import layers README.md states are the code's: what each package of qjax imports from
-qjax (function-level imports included: they are imports too), no import cycle between
-modules, `qjax.target` on jax alone, and nothing in qjax importing the harness."""
+qjax (function-level imports included: they are imports too), and what a package's docstring
+says it imports; no import cycle between modules, in qjax or in the harness around it;
+`qjax.target` on jax alone; nothing in qjax importing the harness, and nothing but the tests
+importing `experiments`."""
 
 import ast
 import collections
+import functools
 import pathlib
 import re
 import sys
@@ -18,8 +21,13 @@ def _module_name(path: pathlib.Path) -> str:
   return '.'.join(parts[:-1] if parts[-1] == '__init__' else parts)
 
 
-def _modules() -> dict[str, pathlib.Path]:
-  return {_module_name(p): p for p in sorted(QJAX.rglob('*.py'))}
+def _modules(tops=('qjax',)) -> dict[str, pathlib.Path]:
+  return {_module_name(p): p for top in tops for p in sorted((ROOT / top).rglob('*.py'))}
+
+
+@functools.cache
+def _parsed(path: pathlib.Path) -> ast.Module:
+  return ast.parse(path.read_text(encoding='utf-8'))
 
 
 def _imports(path: pathlib.Path, name: str, modules) -> list[str]:
@@ -27,7 +35,7 @@ def _imports(path: pathlib.Path, name: str, modules) -> list[str]:
   module of qjax, else m), at any depth of the file."""
   package = name if path.name == '__init__.py' else name.rpartition('.')[0]
   found = []
-  for node in ast.walk(ast.parse(path.read_text(encoding='utf-8'))):
+  for node in ast.walk(_parsed(path)):
     if isinstance(node, ast.Import):
       found += [a.name for a in node.names]
     elif isinstance(node, ast.ImportFrom):
@@ -118,10 +126,36 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
   return found
 
 
+def docstring_layers() -> dict[str, set[str]]:
+  """What each package's docstring says it imports from qjax, where it says so: a sentence
+  with 'imports' and the packages in backticks (`qjax.core`, ...), or 'nothing (else) from
+  qjax'."""
+  stated = {}
+  for init in sorted(QJAX.glob('*/__init__.py')):
+    doc = ' '.join((ast.get_docstring(ast.parse(init.read_text(encoding='utf-8'))) or '').split())
+    for sentence in re.split(r'(?<=[.;])\s+', doc):
+      named = re.findall(r'`qjax\.(\w+)`', sentence.partition(' imports ')[2])
+      if re.search(r'\bnothing (?:else )?from qjax\b', sentence):
+        stated[init.parent.name] = set()
+      elif named:
+        stated[init.parent.name] = set(named)
+  return stated
+
+
+def test_package_docstrings_state_what_the_code_imports():
+  stated, actual = docstring_layers(), actual_layers()
+  assert {'infer', 'kernels', 'costmodel'} <= set(stated), f'parsed only {sorted(stated)}'
+  wrong = {k: f'the docstring says {sorted(v)}, the code imports {sorted(actual[k])}'
+           for k, v in stated.items() if v != actual[k]}
+  assert not wrong, 'package docstrings that misstate their imports:\n' + '\n'.join(
+      f'qjax/{k}/__init__.py: {v}' for k, v in sorted(wrong.items()))
+
+
 def test_no_import_cycle_between_modules():
   # A package's __init__ re-exports its modules, and its modules import its API from it:
-  # those edges are re-exports, not layers, so the graph here is between plain modules.
-  modules = _modules()
+  # those edges are re-exports, not layers, so the graph here is between plain modules (the
+  # harness's too: a benchmark that imports another inside a function hides a cycle as well).
+  modules = _modules(('qjax',) + HARNESS)
   plain = {n for n, p in modules.items() if p.name != '__init__.py'}
   edges = {n: {m for m in _imports(modules[n], n, modules) if m in plain and m != n}
            for n in plain}
@@ -149,6 +183,15 @@ def test_qjax_never_imports_the_harness():
   hits = [f'{name}: {m}' for name, path in modules.items()
           for m in _imports(path, name, modules) if m.split('.')[0] in HARNESS]
   assert not hits, 'qjax imports the harness:\n' + '\n'.join(hits)
+
+
+def test_only_the_tests_import_experiments():
+  # experiments/ holds thin entry points over qjax.pipeline: nothing else builds on them.
+  modules = _modules(('qjax',) + HARNESS)
+  hits = [f'{name}: {m}' for name, path in modules.items() if not name.startswith('tests.')
+          for m in _imports(path, name, modules)
+          if m.split('.')[0] == 'experiments' and not name.startswith('experiments')]
+  assert not hits, 'experiments imported outside the tests:\n' + '\n'.join(hits)
 
 
 def test_the_checks_would_catch_one():

@@ -34,7 +34,6 @@ from qjax.core import qarray_views
 from qjax.core.formats import FLOAT_KINDS, QFormat
 
 LAYOUT_VERSION = 2  # recorded with every saved QArray (conversion records: 'qarray_layout')
-_CODE_DTYPES = {'int8', 'uint8', 'float8_e4m3fn', 'float8_e5m2'}
 # How codes are stored (`QType.layout`; `qjax.core.layouts` chooses one per backend):
 # 'packed': 2/3/4-bit codes bit-packed into uint8 by `packing` (the checkpoint format, and
 #   what qjax's CPU paths read); 'native': one code per element of a dtype XLA itself knows

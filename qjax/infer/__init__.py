@@ -3,9 +3,11 @@
     from qjax.infer import SamplingParams, SamplingBatch, sample, processed_logits
     from qjax.infer import Engine, EngineConfig, SpeculativeEngine
 
-The runtime only: it imports `qjax.core`, `qjax.nn` and `qjax.sharding`. Request traces,
-workloads, serving comparisons and plots, draft training and the speculative sweep are
-harnesses in `qjax.pipeline` (`trace`, `workload`, `serving`, `draft`, `speculative_sweep`).
+The runtime only. Within qjax it imports `qjax.target`, `qjax.core`, `qjax.nn`, `qjax.kernels`
+and `qjax.sharding` (the import layers: README.md; tests/test_layers.py holds both to the code).
+Request traces, workloads, serving comparisons and plots, draft training and the speculative
+sweep are harnesses in `qjax.pipeline` (`trace`, `workload`, `serving`, `draft`,
+`speculative_sweep`).
 """
 
 # --- sampling and speculative decoding (qjax/infer/sampling.py, speculative.py) ---
