@@ -13,11 +13,11 @@ embedding/head int4 g128 RTN) and writes `save_quantized`'s directory; the load 
 `load_quantized` (restore onto an abstract skeleton, then the hash and fingerprint checks).
 
 Expected run time: ~1 min. The cold load uses an empty cache directory (the default one,
-~/.cache/qjax, is left alone), then the same loads run again from that cache. Measured on 2
-shared cores (load average ~9): cold model 20.9 s (GGUFReader open, dequantize, safetensors
-write; 20-50 s over several runs), tokenizer 16.1 s (merges recovered from 262k tokens); warm
-model 2.0 s (sha256 of the 253 MB file + 1.07 GB of float32), tokenizer 1.9 s. Peak RSS
-2.5 GB cold.
+~/.cache/qjax, is left alone), then the same loads run again from that cache. On 2 cores a
+cold model load (GGUFReader open, dequantize, safetensors write) and the cold tokenizer (merges
+recovered from 262k tokens) take tens of seconds each, the warm loads a few seconds (the sha256
+of the 253 MB file and 1.07 GB of float32). The reload's measured memory:
+docs/fast_decode.md#measured-reloading-a-saved-int4-model.
 """
 
 import argparse

@@ -11,13 +11,8 @@ with the quantized one (perplexity by the full forward, which quantizes K/V exac
 cache does: tests/nn/test_kv_format.py). `gap` = ppl(quantized cache) - ppl(float cache).
 The untouched model's numbers are listed first. Writes <out_dir>/kv_bench.json.
 Expected run time: ~1.5 min (40 steps) / ~3 min (150 steps) on a shared 2-core CPU.
-Measured (int4 cache; ppl float cache / int4 cache / gap), untouched 6.785 / 6.851 / 0.066:
-  40 steps:  float weights    6.657 / 6.711 / 0.053 -> with KV QAT 6.682 / 6.707 / 0.025
-             int4-g32 weights 6.673 / 6.738 / 0.065 -> with KV QAT 6.713 / 6.765 / 0.053
-  150 steps: float weights    6.171 / 6.246 / 0.075 -> with KV QAT 6.220 / 6.241 / 0.021
-             int4-g32 weights 6.226 / 6.288 / 0.061 -> with KV QAT 6.268 / 6.299 / 0.031
-KV QAT narrows the gap (mostly by raising the float-cache ppl); the int4-cache ppl itself does
-not reliably improve on this tiny, briefly trained model (slightly worse with int4 weights).
+Expected result: KV QAT narrows the gap (mostly by raising the float-cache ppl). The measured
+run: docs/training.md (KV-cache QAT).
 """
 
 import argparse

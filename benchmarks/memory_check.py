@@ -18,12 +18,9 @@ decode step compiled and run once there (`qjax.eval.validation.context_limit`).
 Writes `--out` (JSON); exits non-zero unless weights and KV are within 5% and every
 confirmed context fits. Bytes do not depend on machine load; run time does (~6 min for
 Gemma on 2 loaded cores, peak RSS ~4.5 GB).
-Expected result (measured 2026-12-02 under load, 40 min, peak RSS 6.5 GiB): weights and KV
-ratio 1.0000 in every row; compiled activations = XLA's to the byte; the estimate's decode
-activations 0.91x XLA's at batch 1 (a cache copy) and 0.11-0.22x at batch 4, prefill 1.09x
-(float) and 0.55x (quantized); under 1.5 GiB every model fits 32,768 tokens at batch 1, and
-at batch 8 the compiled planner's 6,755 (float), 11,980 (int8), 12,807 (int4 g128, embedding
-float) and 22,915 (mixed) tokens fit when run, the estimate's answers being 17% longer.
+Expected result: weights and KV ratio 1.0000 in every row, compiled activations equal to
+XLA's to the byte, and every context the compiled planner answers fits when run. The measured
+run: docs/validation.md (the memory planner's section).
 """
 
 from __future__ import annotations

@@ -22,20 +22,16 @@ stays float), when `qwix` imports (`pip install -e '.[bench]'`); HF transformers
 fp32 / bf16 when `transformers` and `torch` import (`pip install -e '.[reference]'`).
 
 `--quick`: prefill 128, 16 steps, 1 window. `--smoke`: prefill 32, a 16-token prompt, 2
-steps, 1 window: proves every row runs (measured under load, load average 8-14: 3-6 min per
-row, most of it loading and compiling). The full protocol on 2 idle cores (estimated from
-those times, not measured idle): ~15 min for every row, so run it as two halves of ~8-11 min
-that share qjax-f32 for the ratios:
+steps, 1 window: proves every row runs (3-6 min per row on 2 shared cores, most of it
+loading and compiling). The full protocol takes ~15 min for every row on 2 cores, so run it
+as two halves of ~8-11 min that share qjax-f32 for the ratios:
 
     --rows=qjax-f32,qjax-bf16,qjax-int8,qjax-int8-headf,qjax-int4,qjax-int4-headf \
       --out=results/peers_a
     --rows=qjax-f32,qjax-w8a8,qwix-int8-headf,qwix-int4-headf,hf-fp32,hf-bf16 \
       --out=results/peers_b
 
-The run in docs/fast_decode.md (8 rows, one invocation):
-
-    --rows=qjax-f32,qjax-bf16,qjax-int8,qjax-int4,qjax-w8a8,qjax-w4a8,hf-fp32,hf-bf16 \
-      --out=results/peers_final
+The runs docs/fast_decode.md shows name their commands there.
 
 Timing needs an idle machine: the script prints the load average before and after each row;
 compare rows only within one run.

@@ -11,10 +11,8 @@ decoding), alpha, tokens per round vs (1 - alpha^(gamma+1)) / (1 - alpha), and t
 Expected run time: ~5-10 minutes on 2 cores (load, quantization, compilation of both).
 Expected result: identical tokens; alpha ~0.7-0.8 for the int4 self-draft; little or no
   wall-clock speedup on CPU (a round costs ~gamma + 1 draft steps plus a gamma + 1 token
-  verification; the draft keeps the 262k-vocabulary head), see docs/speculative.md.
-Measured under load (load average 8, 2026-12-02), defaults: tokens identical, alpha 0.755,
-  2.90 tokens per round (formula 3.08), 22 vs 26 target passes, 30.3 s vs 11.0 s (0.36x);
-  4 min 18 s in all, peak RSS 2.3 GB.
+  verification; the draft keeps the 262k-vocabulary head), see docs/speculative.md. The
+  measured run: docs/engine.md#other-measurements.
 """
 
 from __future__ import annotations
