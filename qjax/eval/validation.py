@@ -75,10 +75,10 @@ def _position_nll(graphdef, state, tokens_1T, chunk):
   h, _ = model.blocks(model.embed_tokens(inp), jnp.arange(t, dtype=jnp.int32)[None])
   h = h[0].reshape(t // chunk, chunk, -1)
 
-  def one(args):  # the head chunk by chunk: T x V float32 logits never exist at once
-    h_CD, tgt_C = args
-    logp = jax.nn.log_softmax(model.logits(h_CD[None])[0], -1)
-    return -jnp.take_along_axis(logp, tgt_C[:, None], -1)[:, 0]
+  def one(args):  # the head on J chunks of T positions: (J * T, V) f32 logits never exist
+    h_TD, tgt_T = args
+    logp = jax.nn.log_softmax(model.logits(h_TD[None])[0], -1)
+    return -jnp.take_along_axis(logp, tgt_T[:, None], -1)[:, 0]
 
   return jax.lax.map(one, (h, tgt.reshape(t // chunk, chunk))).reshape(-1)
 
