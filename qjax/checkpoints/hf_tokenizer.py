@@ -32,21 +32,35 @@ def copy_tokenizer(source: str, dest: str) -> list[str]:
   os.makedirs(dest, exist_ok=True)
   copied = []
   for name in TOKENIZER_FILES:
-    if os.path.isfile(os.path.join(source, name)):
+    if _present(os.path.join(source, name)):
       shutil.copyfile(os.path.join(source, name), os.path.join(dest, name))
       copied.append(name)
   return copied
 
 
+def _present(path: str) -> bool:
+  """Whether tokenizer file `path` is there; one that is there but is not a regular file (a
+  FIFO would block its reader forever; a dangling link) is refused, never skipped."""
+  if not os.path.lexists(path):
+    return False
+  from qjax.checkpoints.safetensors_io import regular_file  # pylint: disable=g-import-not-at-top
+  regular_file(path)
+  return True
+
+
 def _read_json(path: str) -> dict:
-  if not os.path.isfile(path):
+  if not _present(path):
     return {}
   try:
     with open(path, encoding='utf-8') as fh:
-      return json.load(fh)
+      value = json.load(fh)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ValueError(f'{path}: not valid JSON ({e}); copy it again from the HF '
                      'checkpoint.') from None
+  if not isinstance(value, dict):
+    raise ValueError(f'{path}: holds a JSON {type(value).__name__}, not an object; copy it '
+                     'again from the HF checkpoint (or delete it: it is optional).')
+  return value
 
 
 def _token_text(value) -> Optional[str]:
@@ -94,7 +108,7 @@ class HFTokenizer:
       named = {t.get('name'): t.get('template') for t in template if isinstance(t, dict)}
       template = named.get('default')
     jinja_path = os.path.join(directory, 'chat_template.jinja')
-    if os.path.isfile(jinja_path):
+    if _present(jinja_path):
       with open(jinja_path, encoding='utf-8') as fh:
         template = fh.read()
     self.chat_template: Optional[str] = template if isinstance(template, str) else None
@@ -113,7 +127,7 @@ class HFTokenizer:
     """
     from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
     path = os.path.join(directory, 'tokenizer.json')
-    if not os.path.isfile(path):
+    if not _present(path):
       held = sorted(os.listdir(directory)) if os.path.isdir(directory) else 'nothing'
       raise ValueError(f'{directory!r} has no tokenizer.json (it holds {held}); '
                        'qjax reads the fast-tokenizer file that HF checkpoints ship: copy it '

@@ -115,3 +115,41 @@ def test_a_config_json_that_is_a_list_is_named(hf_dir):
   (hf_dir / 'config.json').write_text('[1, 2]')
   with pytest.raises(ValueError, match=r'config.json: holds a JSON list, not an object'):
     qckpt.load_hf(hf_dir)
+
+
+def _tokenizer_dir(tmp_path):
+  from tokenizers import Tokenizer, models  # pylint: disable=g-import-not-at-top
+  d = tmp_path / 'tok'
+  d.mkdir()
+  Tokenizer(models.WordLevel({'a': 0, '<unk>': 1}, unk_token='<unk>')).save(
+      str(d / 'tokenizer.json'))
+  (d / 'tokenizer_config.json').write_text(json.dumps({'eos_token': 'a'}))
+  (d / 'generation_config.json').write_text(json.dumps({'eos_token_id': 0}))
+  (d / 'chat_template.jinja').write_text('{{ messages[0].content }}')
+  return d
+
+
+@pytest.mark.parametrize('name', ['tokenizer.json', 'tokenizer_config.json',
+                                  'generation_config.json', 'chat_template.jinja'])
+def test_a_tokenizer_file_that_is_a_fifo_is_refused(tmp_path, name):
+  # tokenizer.json as a FIFO was 'has no tokenizer.json (it holds [..., tokenizer.json, ...])';
+  # the others were skipped silently (a chat template and stop ids dropped), and copied by none.
+  pytest.importorskip('tokenizers')
+  from qjax.checkpoints.hf_tokenizer import HFTokenizer, copy_tokenizer  # pylint: disable=g-import-not-at-top
+  d = _tokenizer_dir(tmp_path)
+  (d / name).unlink()
+  os.mkfifo(d / name)
+  for load in (lambda: HFTokenizer.from_dir(str(d)),
+               lambda: copy_tokenizer(str(d), str(tmp_path / 'out'))):
+    with _Alarm(), pytest.raises(ValueError, match=rf'{name}: a FIFO, not a regular file'):
+      load()
+
+
+@pytest.mark.parametrize('name', ['tokenizer_config.json', 'generation_config.json'])
+def test_a_tokenizer_json_file_that_is_a_list_is_named(tmp_path, name):
+  pytest.importorskip('tokenizers')
+  from qjax.checkpoints.hf_tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
+  d = _tokenizer_dir(tmp_path)
+  (d / name).write_text('[0, 1]')  # was an AttributeError ('list' object has no attribute)
+  with pytest.raises(ValueError, match=rf'{name}: holds a JSON list, not an object'):
+    HFTokenizer.from_dir(str(d))
