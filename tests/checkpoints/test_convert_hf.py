@@ -194,6 +194,57 @@ def test_a_source_without_tokenizer_json_is_named(converted, tmp_path):
     convert.convert(tiny_config(half, tmp_path / 'o'), log=lambda s: None)
 
 
+
+def test_a_failed_conversion_leaves_out_as_it_was(converted, tmp_path):
+  # A conversion that failed left the tokenizer files it had copied in OUT, so the same
+  # command, corrected, was refused: '--config.out=... already holds [...]'.
+  source, _, _ = converted
+  half = tmp_path / 'half'
+  half.mkdir()
+  for name in ('config.json', 'model.safetensors', 'tokenizer_config.json'):
+    (half / name).write_bytes((source / name).read_bytes())
+  empty = tmp_path / 'empty'
+  empty.mkdir()
+  for out in (tmp_path / 'new', empty):
+    with pytest.raises(ValueError, match='has no tokenizer.json'):
+      convert.convert(tiny_config(half, out), log=lambda s: None)
+    assert not out.exists() if out.name == 'new' else not os.listdir(out)
+    convert.check_out(str(source), str(out))  # the corrected command may use it
+
+
+def test_a_weight_format_the_model_cannot_take_names_the_flags_before_any_work(converted,
+                                                                              tmp_path):
+  source, _, _ = converted
+  c = tiny_config(source, tmp_path / 'g48')
+  c.quant.group_size = 48  # d_model 64: groups of 48 split rows
+  log = []
+  with pytest.raises(ValueError, match=r'group_size=48 .* does not divide .*The weight format '
+                                       r'comes from --config.bits=4 and '
+                                       r'--config.group_size=48 \(0: one scale per output'):
+    convert.convert(c, log=log.append)
+  assert not any('perplexity' in line for line in log)  # before the float evaluation
+  assert not (tmp_path / 'g48').exists()
+
+
+@pytest.mark.parametrize('method,message', [
+    ('gtpq', r"--config.method='gtpq' is not a conversion method; use one of \('float', "
+             r"'rtn', 'gptq'.*\(did you mean --config.method=gptq\?\)"),
+    ('fp16', r"--config.method='fp16' is not a conversion method"),
+])
+def test_an_unknown_method_is_named_before_any_work(tmp_path, method, message):
+  # Was apply_method's "method='gtpq' is unknown" after the float model's evaluation,
+  # without the flag or 'float'.
+  c = tiny_config(tmp_path / 'no-such-source', tmp_path / 'out', method=method)
+  with pytest.raises(ValueError, match=message):
+    convert.convert(c, log=lambda s: None)
+  assert not (tmp_path / 'out').exists()
+
+
+def test_an_empty_source_is_named(tmp_path):
+  # Was "--config.out=... is or overlaps --config.source=''".
+  with pytest.raises(ValueError, match=r'--config.source is empty; pass --config.source=DIR'):
+    convert.convert(tiny_config('', tmp_path / 'out'), log=lambda s: None)
+
 def test_gemma3_270m_names_the_packaged_gguf(monkeypatch):
   from qjax.checkpoints import gemma3  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(gemma3, 'gemma3_270m_path', lambda: '/cache/gemma3-270m.gguf')
