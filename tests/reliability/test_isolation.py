@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from qjax.infer import (Engine, EngineConfig, GenerationError, SamplingParams,
@@ -135,7 +135,16 @@ _prompt = st.tuples(st.integers(0, 2 ** 16), st.integers(1, 12), st.booleans(),
                     st.integers(1, MAX_TOKENS), st.integers(0, 6))
 
 
-@settings(max_examples=14, deadline=None, derandomize=True, phases=[Phase.generate])
+# The engine's decode blocks (decode_block > 1) with both preemption modes and prefix caching,
+# always (the generated mixes below draw them with the speculative engine, which has no blocks).
+@example(mix=[(1, 5, False, 6, 0), (2, 4, True, 6, 1), (3, 3, False, 5, 2)], page_size=4,
+         spare_pages=0, max_batch=2, chunk_size=8, prefix_caching=True, preemption='swap',
+         decode_block=4, kind='engine')
+@example(mix=[(4, 2, True, 3, 0), (5, 6, False, 6, 0), (6, 2, False, 6, 3)], page_size=2,
+         spare_pages=1, max_batch=3, chunk_size=2, prefix_caching=False,
+         preemption='recompute', decode_block=4, kind='engine')
+@settings(max_examples=14, deadline=None, derandomize=True,
+          phases=[Phase.explicit, Phase.generate])
 @given(mix=st.lists(_prompt, min_size=2, max_size=4), page_size=st.sampled_from([2, 4]),
        spare_pages=st.integers(0, 3), max_batch=st.integers(1, 3),
        chunk_size=st.sampled_from([2, 8]), prefix_caching=st.booleans(),
