@@ -136,14 +136,15 @@ _prompt = st.tuples(st.integers(0, 2 ** 16), st.integers(1, 12), st.booleans(),
 
 
 # The engine's decode blocks (decode_block > 1) with both preemption modes and prefix caching,
-# always (the generated mixes below draw them with the speculative engine, which has no blocks).
+# always (the generated mixes draw blocks only with the speculative engine, which has none);
+# 2 fixed mixes and 12 drawn ones.
 @example(mix=[(1, 5, False, 6, 0), (2, 4, True, 6, 1), (3, 3, False, 5, 2)], page_size=4,
          spare_pages=0, max_batch=2, chunk_size=8, prefix_caching=True, preemption='swap',
          decode_block=4, kind='engine')
 @example(mix=[(4, 2, True, 3, 0), (5, 6, False, 6, 0), (6, 2, False, 6, 3)], page_size=2,
          spare_pages=1, max_batch=3, chunk_size=2, prefix_caching=False,
          preemption='recompute', decode_block=4, kind='engine')
-@settings(max_examples=14, deadline=None, derandomize=True,
+@settings(max_examples=12, deadline=None, derandomize=True,
           phases=[Phase.explicit, Phase.generate])
 @given(mix=st.lists(_prompt, min_size=2, max_size=4), page_size=st.sampled_from([2, 4]),
        spare_pages=st.integers(0, 3), max_batch=st.integers(1, 3),
