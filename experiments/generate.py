@@ -114,11 +114,7 @@ def main(argv):
     text = tok.chat(prompt) if c.chat else prompt
     ids = text if not isinstance(text, str) else tok.encode(text)
     ids = list(getattr(ids, 'ids', ids))
-    if len(ids) + c.max_tokens > engine.max_len:
-      raise ValueError(f'prompt {i} has {len(ids)} tokens + --config.max_tokens='
-                       f'{c.max_tokens} > the context {engine.max_len}; raise '
-                       f'--config.engine.max_len (the model holds {model.config.max_len}) or '
-                       'lower --config.max_tokens.')
+    cli.check_context(i, len(ids), c.max_tokens, engine.max_len, model.config.max_len)
     t0 = time.perf_counter()
     print(prompt, end='\n' if c.chat else '', flush=True)
     for piece in engine.stream_text(ids, params):

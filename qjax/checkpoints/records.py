@@ -334,8 +334,18 @@ def read_record(out_dir: str, verify: bool = True) -> dict:
   """
   path = os.path.join(out_dir, RECORD_NAME)
   if not os.path.isfile(path):
+    writers = ('python -m experiments.convert --config.source=HF_DIR --config.out=OUT (a HF '
+               'checkpoint) or python -m experiments.quantize writes one')
+    if not os.path.isdir(out_dir):
+      raise ValueError(f'{out_dir!r} does not exist or is not a directory; pass a qjax '
+                       f'conversion output ({writers}).')
+    if os.path.isfile(os.path.join(out_dir, 'config.json')):
+      raise ValueError(f'{out_dir!r} has no {RECORD_NAME}: it is a HF checkpoint, not a qjax '
+                       'conversion output; convert it first (python -m experiments.convert '
+                       f'--config.source={out_dir} --config.out=OUT --config.method=float to '
+                       'keep it unquantized) and pass OUT.')
     raise ValueError(f'{out_dir!r} has no {RECORD_NAME}; it is not a qjax conversion output '
-                     '(run `python -m experiments.quantize` to produce one).')
+                     f'({writers}).')
   try:
     with open(path, encoding='utf-8') as f:
       record = json.load(f)

@@ -132,3 +132,18 @@ def define_config(default: str, root: str, *, lock_config: bool = True,
       sys.stderr.write(f'{e}\n')
       sys.exit(2)
   return config_flags.DEFINE_config_file('config', default, lock_config=lock_config)
+
+
+def check_context(i: int, prompt_len: int, max_tokens: int, context: int,
+                  model_max: int) -> None:
+  """Refuse prompt `i` of `prompt_len` tokens when it and `--config.max_tokens` pass the
+  engine's `context`, naming the flag that fixes it: `--config.engine.max_len` when the model
+  holds that many tokens, else a shorter prompt (raising a flag past the model cannot help)."""
+  need = prompt_len + max_tokens
+  if need <= context:
+    return
+  fix = (f'pass --config.engine.max_len={need} or more (the model holds {model_max})'
+         if need <= model_max else
+         f'the model holds {model_max} tokens at most: shorten the prompt')
+  raise ValueError(f'prompt {i} has {prompt_len} tokens + --config.max_tokens={max_tokens} > '
+                   f'the context {context}; {fix}, or lower --config.max_tokens.')

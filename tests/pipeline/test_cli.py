@@ -75,3 +75,16 @@ def test_generate_runs_from_another_directory_and_says_what_it_uses(tmp_path,
   assert r.returncode == 0, r.stderr[-3000:]
   assert ('generating with weights float, KV cache int8-ch012, temperature 0.7, top_p 0.95'
           in r.stderr)
+
+
+def test_a_prompt_past_the_context_names_the_flag_that_fixes_it():
+  # It said 'raise --config.engine.max_len (the model holds 512)' when the context was 512
+  # already, where no flag helps.
+  cli.check_context(0, 10, 6, 16, 512)
+  with pytest.raises(ValueError, match=r'prompt 1 has 10 tokens \+ --config.max_tokens=8 > the '
+                                       r'context 16; pass --config.engine.max_len=18 or more '
+                                       r'\(the model holds 512\), or lower --config.max_tokens'):
+    cli.check_context(1, 10, 8, 16, 512)
+  with pytest.raises(ValueError, match=r'> the context 512; the model holds 512 tokens at most: '
+                                       r'shorten the prompt, or lower --config.max_tokens'):
+    cli.check_context(0, 721, 48, 512, 512)
