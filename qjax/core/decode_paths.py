@@ -16,11 +16,11 @@
   one 2-D dot, x2 (M, K) @ w2 (K, N), the weight reshaped for free and only the activations
   transposed. Given the multi-axis contraction itself, XLA:CPU's layout assignment sometimes
   transposed the *weight* to the activation's order instead: Gemma 3's o_proj ('BTNH,NHD')
-  was copied to (H, N, D) on every decode step, 18 x 2.6 MB, ~40% of an f32 step (profiled).
+  was copied to (H, N, D) on every decode step (its cost: docs/fast_decode.md).
 * `float_einsum`: a bf16 (or other low-precision float) weight with f32 activations without
   a per-call f32 copy of the weight: the kernel at M = 1 (XLA's matrix-vector loop widens
-  the weight: 11x f32 time), else bf16 x bf16 with f32 accumulation (XLA:CPU's fused kernel,
-  0.8x f32 at M = 8, ahead of the kernel's 1.3x).
+  the weight), else bf16 x bf16 with f32 accumulation (XLA:CPU's fused kernel, faster than
+  the kernel there; both measured in docs/cpu_kernel.md).
 * `DecodeWeights`: what the decode loops (`qjax.nn.generate`) run when XLA:CPU has no kernel:
   an f32 copy of the model's bf16/f16 weights, made once per model and value (exact: every
   bf16 value is an f32 value). No XLA:CPU form of a bf16 weight was measured at f32 speed
@@ -131,12 +131,11 @@ class DecodeWeights:
   """A model's state as its decode loops run it: its own, or with bf16/f16 leaves in f32.
 
   Without the CPU kernel, every XLA:CPU form of a bf16 weight times f32 activations at decode
-  shapes measured slower than the f32 model (0.86-0.91x for Gemma 3 270M; the weight inside a
-  loop 5-10x slower); with an f32 copy the step is the f32 model's. The copy is made once and
-  kept while the state's low-precision arrays are the same objects: a new value assigned to a
-  Variable (training, a reload) is seen at the next call and widened again. Elsewhere (a
-  kernel, GPU, TPU) the state is returned as it is. Widening is exact, and the results are
-  those of f32 activations times the exact bf16 weights, as on the kernel.
+  shapes measured slower than the f32 model (docs/cpu_kernel.md); with an f32 copy the step is the
+  f32 model's. The copy is made once and kept while the state's low-precision arrays are the same
+  objects: a new value assigned to a Variable (training, a reload) is seen at the next call and
+  widened again. Elsewhere (a kernel, GPU, TPU) the state is returned as it is. Widening is exact,
+  and the results are those of f32 activations times the exact bf16 weights, as on the kernel.
   """
 
   __slots__ = ('_has_low', '_sources', '_widened')
@@ -176,9 +175,8 @@ def kernel_refusal(xs: str, ws: str, out: str, x_shape, w: QArray,
     if rows > max_rows:
       return f'{rows} rows > {max_rows} (decode shapes only)'
     if kind == 'int8' and act is None and rows == 1 and not explicit:
-      # One row of an int8 head: the V blocks (`vblocked_einsum`) measured 7.6 ms against the
-      # float kernel's 29.8 (Gemma head, benchmarks/qdot_bench.py): widening int8 codes to
-      # f32 is the kernel's bottleneck there.
+      # One row of an int8 head: the V blocks (`vblocked_einsum`) run faster than the kernel,
+      # whose bottleneck there is widening int8 codes to f32 (docs/cpu_kernel.md).
       return 'one row of an int8 head runs faster in V blocks (docs/cpu_kernel.md)'
     return None
   plan = tiled.plan_tiles(xs, ws, out, x_shape, w, None)
@@ -253,8 +251,8 @@ def _vblock_rows(rows: int, w: QArray) -> int:
   """V rows per block of `vblocked_einsum`."""
   v, d = w.shape
   tile_v = w.tile_shape[0]
-  # Prefill (more rows than decode): blocks of 2**20 weights, ~2.6x fewer dot calls per head
-  # (1.4x faster at 512 rows); the temporary stays under 10% of an int4 head's bytes.
+  # Prefill (more rows than decode): blocks of 2**20 weights, fewer dot calls per head (faster
+  # at 512 rows: docs/cpu_kernel.md); the temporary stays under 10% of an int4 head's bytes.
   elements = _BLOCK_ELEMENTS if rows <= MAX_KERNEL_ROWS else _PREFILL_BLOCK_ELEMENTS
   return max(tile_v, (elements // d) // tile_v * tile_v)
 
@@ -309,9 +307,8 @@ def vblocked_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray,
     # Packed codes: each block's bit fields (field j holds codes j, j + per, ...) are
     # dequantized and concatenated field after field, never interleaved back (the slow part
     # of unpacking on CPU), and x's columns are permuted once to that order, so each block is
-    # one dot. Side by side on the Gemma head (262k x 640, int4 g128, M = 1): one dot per
-    # field measured 2.8-4.8x the f32 head's time, one dot on the concatenated fields 1.0x,
-    # and with the fields unpacked in int32 (not int8) 0.5x.
+    # one dot: one dot per field is several times slower, and the fields unpacked in int32
+    # (not int8) are faster still (the Gemma head's timings: docs/cpu_kernel.md).
     xin = jnp.concatenate([xin[:, j::per] for j in range(per)], axis=1)
 
   def block(start, size):
@@ -330,8 +327,8 @@ def vblocked_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray,
     return jnp.dot(xin, jnp.concatenate(parts, axis=1).T, preferred_element_type=jnp.float32)
 
   # Each block's logits written in place into (M, V): stacking them (lax.map) and then
-  # transposing to (M, V) copied the whole output once more, 512 MiB at a 512-token prefill
-  # (the head then took 2.3x the bf16 dense time, 1.2x without the copy; side by side).
+  # transposing to (M, V) copied the whole f32 output once more, which slowed the head at a
+  # 512-token prefill (docs/cpu_kernel.md).
   y2 = lax.fori_loop(0, nb, lambda i, y: lax.dynamic_update_slice_in_dim(
       y, block(i * vb, vb), i * vb, 1), jnp.zeros((x2.shape[0], nb * vb), jnp.float32))
   if nb * vb < v:
@@ -341,7 +338,7 @@ def vblocked_einsum(xs: str, ws: str, out: str, x: jax.Array, w: QArray,
 
 def _int32_fields(packed: jax.Array, bits: int) -> list:
   """`packing.unpack_fields` with the shifts in int32 (XLA:CPU vectorises them; int8 shifts
-  measured 2x slower in `vblocked_einsum`'s blocks)."""
+  are slower in `vblocked_einsum`'s blocks: docs/cpu_kernel.md)."""
   per, nbytes = packing.GROUPS[bits]
   if nbytes != 1:
     return packing.unpack_fields(packed, bits)
@@ -384,11 +381,11 @@ def matrix_einsum(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.
 def float_einsum(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
   """`einsum(spec, x, w)` for a low-precision float weight (e.g. bf16), accumulated in f32.
 
-  Never converts the whole weight per call (what `w.astype(x.dtype)` does, 8x f32 time at
-  decode on XLA:CPU): one row runs on the CPU kernel (f32 activations, exact weights) when it
-  is available and the spec is one of its layouts; otherwise activations are cast to the
-  weight's dtype and multiplied with f32 accumulation (XLA:CPU's fused bf16 kernel; one row
-  is padded to two, which that kernel needs).
+  Never converts the whole weight per call (what `w.astype(x.dtype)` does, several times the
+  f32 time at decode on XLA:CPU: docs/cpu_kernel.md): one row runs on the CPU kernel (f32
+  activations, exact weights) when it is available and the spec is one of its layouts;
+  otherwise activations are cast to the weight's dtype and multiplied with f32 accumulation
+  (XLA:CPU's fused bf16 kernel; one row is padded to two, which that kernel needs).
 
   Args:
     spec: two-operand einsum, activations first.

@@ -197,10 +197,10 @@ def tile_dtype(m: int):
 
   bf16 x bf16 with f32 accumulation (XLA:CPU's fused kernel) where the CPU has bf16 dot
   instructions (x86 AVX-512 BF16 or AMX: `kernels.cpu_flags`) and M >= 2; f32 otherwise.
-  Without them XLA widens bf16 in software: at M = 512 on an AVX2 Zen 3 (640 x 2048 and 2048 x 640
-  weights, benchmarks/qdot_bench.py --ms=512 --d=...) bf16 tiles took 1.8-2.7x the f32 product's
-  time and f32 tiles 1.0-1.4x; at M = 1 bf16 tiles measured slower than f32 on every CPU. Integer
-  codes and int8 activations are exact in both (|partial sum| < 2**24 by the tile plan).
+  Without them XLA widens bf16 in software, and bf16 tiles at prefill rows measured slower
+  than f32 tiles (docs/cpu_kernel.md); at M = 1 bf16 tiles measured slower than f32 on every
+  CPU. Integer codes and int8 activations are exact in both (|partial sum| < 2**24 by the tile
+  plan).
   """
   bf16_dot = bool((kernels.cpu_flags() or frozenset()) & {'avx512_bf16', 'amx_bf16'})
   return jnp.bfloat16 if m > 1 and bf16_dot else jnp.float32

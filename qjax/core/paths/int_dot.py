@@ -87,8 +87,8 @@ def run(call: Call, x, w, out_dtype, *, target, asked: bool):
   if target.platform not in ('cpu', 'tpu') and call.bucket == 'decode':
     # XLA:GPU merges dots that share an operand into one GEMM; at decode rows the projections
     # that read the same quantized activations (q, k, v) were merged by first transposing
-    # their int8 weights K-minor, a copy of each weight every step (a compile-only H200: 12.6 MB
-    # of Llama-3.2-1B's 61 MB int8 layer at batch 8). Pairing the activations with this call's
+    # their int8 weights K-minor, a copy of each weight every step (its size:
+    # docs/quantized_matmul.md). Pairing the activations with this call's
     # own codes in a barrier keeps each dot separate, reading its weight as stored. (At prefill
     # the merged GEMM read less than the separate ones.)
     xq, codes = jax.lax.optimization_barrier((xq, codes))

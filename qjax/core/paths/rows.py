@@ -88,9 +88,9 @@ def _rows(a: Optional[jax.Array], ids, v: int) -> Optional[jax.Array]:
     # copy 128 / G times their size); the head's kernel reads them as stored.
     return a[rows].astype(jnp.float32)
   # The head's kernel reads grouped scales as (G, V), so XLA stores them V-minor; its gather wants
-  # the gathered axis major and re-tiled the whole table for it (Gemma 3's 262k x 5 g128
-  # scales: a 134 MB copy every decode step on a compile-only v5e). A column slice per id
-  # reads one tile of the scales as stored.
+  # the gathered axis major and re-tiled the whole table for it, a copy every decode step (its
+  # size for Gemma 3's g128 scales: docs/quantized_matmul.md). A column slice per id reads one
+  # tile of the scales as stored.
   a_t = a.T
   cols = [jax.lax.dynamic_slice_in_dim(a_t, rows[i], 1, axis=1) for i in range(rows.shape[0])]
   return jnp.concatenate(cols, axis=1).T.astype(jnp.float32)
