@@ -45,19 +45,18 @@ namespace ffi = xla::ffi;
 namespace {
 
 // The ISA files' tunings (kStrip, kRowBlock, A8Cols, ...) are theirs; these are shared.
+// The timings behind these constants: docs/fast_decode.md ("the kernel's tunings").
 // kn: weight rows per block. A block runs along whole rows (strip after strip), so memory is
 // read in long sequential runs; a tall block (a column strip down the matrix) steps a page
-// per row and defeats the prefetchers (measured ~3x slower at 4096 x 4096).
+// per row and defeats the prefetchers.
 constexpr int64_t kKBlock = 32;
-// nk: row ranges per worker (1 / 2 / 4 / 16 measured 3.3 / 2.8 / 2.1 / 3.8 ms on the int4 a8
-// head; 4096 chunks of 64 rows had run slower than one thread).
+// nk: row ranges per worker (fewer and more both ran the int4 a8 head slower; many short
+// chunks ran slower than one thread).
 constexpr int64_t kNkChunksPerWorker = 4;
 // int8-activation weights smaller than this run on the calling thread: waking the pool costs
-// more (a Gemma W4A8 decode step: 13.3 ms at 1 MiB against 14.3 at 128 KiB or with every call
-// threaded); every Gemma 270M int4 projection (<= 655 KB) is below it.
+// more; every Gemma 270M int4 projection (<= 655 KB) is below it.
 constexpr int64_t kSerialBytes = 1 << 20;
-// The same for bf16 'kn' weights: two threads on XLA's pool measured slower below it
-// (640 x 2048: 119 us against 75).
+// The same for bf16 'kn' weights: two threads on XLA's pool ran slower below it.
 constexpr int64_t kSerialBytesBf16 = 4 << 20;
 
 // Threads that can run chunks: the pool's plus the caller.
@@ -242,8 +241,8 @@ void NkA8Driver(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int
   std::unique_ptr<int32_t[]> sq(new int32_t[M * nb]);
   QuantizeRows(x, M, K, unit, q.get(), sa.get(), sq.get());
   if (kI4) SplitEvenOdd(q.get(), M, K);
-  // A few long ranges of rows (a thread streams each one), not many short ones: 4096 chunks of
-  // 64 rows ran the Gemma head 1.6x slower than one thread did.
+  // A few long ranges of rows (a thread streams each one), not many short ones, which ran the
+  // Gemma head slower than one thread did (docs/fast_decode.md).
   const int64_t chunks =
       N * ld < kSerialBytes ? 1 : std::min<int64_t>(N, kNkChunksPerWorker * Workers(pool));
   constexpr int kRows = 4;
