@@ -39,8 +39,6 @@ from jax.experimental import pallas as pl
 BACKENDS = ('triton', 'mosaic')
 _BACKEND_MODULES = {'triton': 'jax.experimental.pallas.triton',
                     'mosaic': 'jax.experimental.pallas.tpu'}
-# Past every real position: a slot that holds nothing.
-_EMPTY = 2 ** 30
 _NEG = -1e30
 
 
