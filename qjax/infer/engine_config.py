@@ -36,10 +36,10 @@ class EngineConfig:
     admit_within_s: while a row is free and no request waits, the most decode time (seconds,
       estimated from the decode steps timed so far) one dispatch, or a block and the one
       queued behind it, may hold the engine, so that a request arriving meanwhile is admitted
-      no later; past it the engine runs single steps. Blocks of fast steps (an accelerator's
-      ms) stay on; a CPU step of ~0.1 s runs alone while a row is free. None: blocks whatever
-      they cost (with every row busy they always run: a finish ends a block when requests
-      wait).
+      no later; past it the engine runs single steps. Blocks of steps well under it (an
+      accelerator's) stay on; a step longer than it (a CPU's, often) runs alone while a row is
+      free. None: blocks whatever they cost (with every row busy they always run: a finish
+      ends a block when requests wait).
   """
 
   max_batch: int = 4
