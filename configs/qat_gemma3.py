@@ -2,12 +2,11 @@ r"""QAT + distillation of Gemma 3 270M: int4 g128 from RTN (or GPTQ), LSQ scales
 frozen float model, against the same steps of plain fine-tuning of the float model.
 
 Points (`sweep()`, `qjax.pipeline.finetune_qat`; resumable): float; the RTN int4 g128 start
-(--config.quant.method=gptq for GPTQ's: its quantization takes ~13 min under load)
-(tied embedding / head float, as in the PTQ sweep); QAT + distillation from it
-(`qat.steps` steps, alpha 0.5, T 2, LSQ scales with their own relative-Adam lr, the
-embedding frozen); the float model fine-tuned with cross entropy for the same steps; and
-the KV-int4 variant (the same start served with an int4 KV cache, and QAT that trains
-through it).
+(GPTQ's with --config.quant.method=gptq; tied embedding / head float, as in the PTQ sweep);
+QAT + distillation from it (`qat.steps` steps, alpha 0.5, T 2, LSQ scales with their own
+relative-Adam lr, the embedding frozen); the float model fine-tuned with cross entropy for
+the same steps; and the KV-int4 variant (the same start served with an int4 KV cache, and
+QAT that trains through it).
 Data: WikiText-2 valid (vendored) with the PTQ sweep's protocol: the first
   `data.eval_windows` windows (BOS + 511 scored tokens) are scored; training windows of
   `qat.seq_len` tokens (BOS first) and GPTQ's calibration windows come from the tokens after
@@ -23,20 +22,11 @@ Command (`pip install -e .[gemma]`):
   XLA_FLAGS= .venv/bin/python -m experiments.qat_gemma3 --config=configs/qat_gemma3.py \
       --config.qat.steps=20 --config.out_dir=results/qat_gemma3_rtn20 \
       --config.only=float,rtn-int4-g128,qat+distill-20steps-from-rtn-int4-g128,float-ft-20steps
-  (--config=configs/qat_gemma3.py:tiny runs the same points on a random tiny model in ~1 min;
+  (--config=configs/qat_gemma3.py:tiny runs the same points on a random tiny model;
    --config.only=<point names> runs some points; reruns skip finished points)
-Expected run time (measured under load, load average 10-25 on 2 shared cores): 35 min for
-  the command above: load + float ppl ~1.5 min, RTN start ~2 min, QAT 20 steps 23 min
-  (30-58 s a step, the first 190 s with the compile), float fine-tune 20 steps 6 min (13 s a
-  step); GPTQ's quantization takes > 20 min under that load.
-Expected result (200 steps from GPTQ, idle, 2026-12-03: --config.quant.method=gptq
-  --config.qat.steps=200 --config.qat.warmup=10): float 29.45, GPTQ int4 g128 41.00, QAT +
-  distillation 22.07 (0.78 of the gap vs the float model fine-tuned 200 steps, 16.85); KV-int4
-  200.2 -> 41.54; int3 g128 199.3 -> 67.36; 8.9 s a QAT step, 51 + 38 + 37 min.
-Earlier (measured under load, 4 windows of WikiText-2 valid): float 29.45, RTN int4
-  g128 67.72, QAT + distillation (20 steps) 54.70 (recovered 0.34 of the gap; 0.27 against
-  the fine-tuned float model, 20.37), peak RSS 8.2 GB (VmHWM; /usr/bin/time max RSS 7.1 GB);
-  GPTQ's start 40.78 (an earlier run). See docs/training.md.
+Results, run times and peak memory of the 200-step run from GPTQ (--config.quant.method=gptq
+  --config.qat.steps=200 --config.qat.warmup=10), with its date, machine and commands:
+  docs/training.md.
 """
 
 import ml_collections

