@@ -3,7 +3,7 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# tests/conftest.py adds its fast-compile XLA flags to these (it used to only set them when unset).
+# tests/conftest.py adds its fast-compile XLA flags to these, whether or not XLA_FLAGS was set.
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 .PHONY: demo test test-gpu test-py312 test-reference bench device-check install install-test clean
