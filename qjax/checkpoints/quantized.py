@@ -415,8 +415,8 @@ def quantize_streamed(cfg: TransformerConfig, params, policy: QuantPolicy, *,
 
 
 def _release_freed_heap() -> None:
-  """Give the float blocks' freed heap back to the OS (glibc keeps it otherwise: ~160 MiB of
-  RSS measured after quantizing Gemma 3 270M), so RSS tracks what is alive."""
+  """Give the float blocks' freed heap back to the OS (glibc keeps it otherwise; its size after
+  quantizing Gemma 3 270M: docs/models.md), so RSS tracks what is alive."""
   try:
     import ctypes  # pylint: disable=g-import-not-at-top
     ctypes.CDLL('libc.so.6').malloc_trim(0)

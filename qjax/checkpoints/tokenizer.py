@@ -110,7 +110,7 @@ def gguf_tokenizer(path: os.PathLike, *, cache: bool = True,
     path: the .gguf file.
     cache: read/write the built tokenizer (JSON) under the cache, keyed by the file's sha256.
     cache_dir: cache root (default $QJAX_CACHE_DIR or ~/.cache/qjax).
-    reader: `open_gguf(path)` if the caller already has it (opening takes ~14 s).
+    reader: `open_gguf(path)` if the caller already has it (opening parses the whole file).
 
   Returns:
     The tokenizer; `encode(text).ids` starts with BOS when the file asks for it.
