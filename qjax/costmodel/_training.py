@@ -8,8 +8,7 @@ the `n / data` model chips. Counted per chip:
   gradients    one layer's (layer params * grad bits / n): with the weights and optimizer
                state donated, the compiler applies each weight's update as soon as its
                gradient is complete, so a whole model's gradients are never live at once
-               (Llama-3-8B on a compile-only v5e-8: 0.66 GB of temporaries in all, against
-               4 GB of float32 gradients);
+               where memory is short (a compiled Llama-3-8B step: docs/costmodel.md);
   optimizer    params * state bits / n (Adam: two float32 moments);
   activations  what the backward pass keeps per layer and token, without rematerialisation:
                the residual stream and the two norms' outputs (3 E), queries, keys, values

@@ -192,7 +192,7 @@ def ensure(cpu: Optional[frozenset], root: Optional[pathlib.Path] = None,
     root: the cache folder (default `cache_root()`).
     retry_failed: build again where an earlier build for the same key failed (otherwise
       that failure, recorded in the key's folder, is returned at once).
-    say: called with one line before a compile starts (it takes ~10-60 s).
+    say: called with one line before a compile starts (it takes seconds: docs/cpu_kernel.md).
 
   Returns:
     (library path, how it was obtained: 'cached' / 'built' / 'rebuilt (...)'), or

@@ -1,7 +1,7 @@
 """Gemma 3 270M's evaluation data and per-source-type metrics, for the real-model PTQ sweep
 (`python -m experiments.gemma_ptq`) and the Gemma benchmarks.
 
-Protocol (matches HF transformers' fp32 perplexity on the dequantized GGUF to 0.01%): each
+Protocol (it matches HF transformers' fp32 perplexity on the dequantized GGUF: docs/ptq.md): each
 corpus is tokenized whole by the GGUF tokenizer, cut into non-overlapping windows, and the
 first token of every window is set to BOS (Gemma degrades badly without a BOS per window).
 WikiText-2 valid's first windows are scored; the tokens after them are the calibration split.

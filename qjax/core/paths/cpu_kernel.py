@@ -4,7 +4,7 @@ Fits: a CPU target with the kernel loaded; symmetric int8 or packed int4 codes, 
 grouped; weight (contracted..., kept...) or the tied head (V, D); at most
 `decode_paths.MAX_KERNEL_ROWS` rows (any number when named); weight-only or int8 activations
 (VNNI integer dots). A one-row weight-only int8 head is left to the V blocks, which measured
-faster, unless the path is named.
+faster (docs/cpu_kernel.md), unless the path is named.
 Runs: each 64-code slice widened in registers (or multiplied as int8 on integer dots), f32
 accumulation, no float weight anywhere (`qjax.core.decode_paths.kernel_einsum`).
 """
