@@ -30,6 +30,7 @@ from qjax.nn import kvcache
 from qjax.nn import shard_hooks
 from qjax.nn.attention_core import EMPTY_POSITION as EMPTY_POSITION  # re-exported
 from qjax.nn.attention_core import attend
+from qjax.nn.attention_core import attend_reduce
 from qjax.nn.attention_core import attend_blockwise
 from qjax.nn.attention_core import attention_mask as attention_mask  # re-exported
 from qjax.nn.attention_core import online_attend as online_attend  # re-exported
@@ -129,6 +130,8 @@ class Attention(nnx.Module):
                                   block_size=self.block_size, **kw)
     elif form.name == 'dense':
       out_BTNH = attend(q_BTNH, k_BSKH, v_BSKH, positions_BT, k_pos_BS, **kw)
+    elif form.name == 'reduce':
+      out_BTNH = attend_reduce(q_BTNH, k_BSKH, v_BSKH, positions_BT, k_pos_BS, **kw)
     else:
       own = None  # a quantized cache rounds what it stores: attend over what it read back
       if cache is not None and cache.qformat is None:

@@ -51,6 +51,12 @@ def weighted_values(probs_BKGTS: jax.Array, v_BSKH: jax.Array, mask_BTS: jax.Arr
   slot whose value is not finite adds nothing to a query that cannot see it, and makes a
   query that can see it NaN (the failure stays with the request it belongs to).
   """
+  if mask_BTS.shape[1] == 1:
+    # One query per row (decode): zeroing the slots it cannot see is the whole rule (a select
+    # on the mask; no finiteness pass over the cache), and a visible non-finite value makes
+    # the query NaN through the product itself.
+    clean_BSKH = jnp.where(mask_BTS[:, 0, :, None, None], v_BSKH, jnp.zeros((), v_BSKH.dtype))
+    return jnp.einsum('BKGTS,BSKH->BKGTH', probs_BKGTS, clean_BSKH, **einsum_kw)
   bad_BSK = ~jnp.all(jnp.isfinite(v_BSKH), axis=-1)
   clean_BSKH = jnp.where(bad_BSK[..., None], jnp.zeros((), v_BSKH.dtype), v_BSKH)
   out_BKGTH = jnp.einsum('BKGTS,BSKH->BKGTH', probs_BKGTS, clean_BSKH, **einsum_kw)
@@ -88,6 +94,34 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_BT: ja
   probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKH.dtype)
   out_BKGTH = weighted_values(probs_BKGTS, v_BSKH, mask_BTS)
   return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_BTNH.dtype)
+
+
+def attend_reduce(q_B1NH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                  q_pos_B1: jax.Array, k_pos_BS: jax.Array, *, window: Optional[int] = None,
+                  logit_softcap: Optional[float] = None) -> jax.Array:
+  """`attend` for one query per row, as products summed over H and then over S.
+
+  The dense form's dots take (B, K) as batch dims, which XLA:GPU wants major-most: it
+  transposes a (B, S, K, H) cache to (B, K, S, H) and back in every decode step (four copies
+  of the cache per layer). Products summed in place read the cache once, in its own layout.
+  Same arguments and result as `attend` with T = 1; logits, softmax and the weighted sum run
+  in float32. A slot the query cannot see is zeroed before the sum (masks select).
+  """
+  b, t, n, h = q_B1NH.shape
+  if t != 1:
+    raise ValueError(f'attend_reduce: T={t}; it takes one query per row (decode).')
+  k = k_BSKH.shape[2]
+  q_BKGH = q_B1NH.reshape(b, k, n // k, h).astype(jnp.float32)
+  logits_BSKG = jnp.sum(q_BKGH[:, None] * k_BSKH[:, :, :, None, :].astype(jnp.float32),
+                        axis=-1)
+  logits_BSKG = softcap(logits_BSKG, logit_softcap)
+  mask_BS = attention_mask(q_pos_B1, k_pos_BS, window)[:, 0]
+  logits_BSKG = jnp.where(mask_BS[:, :, None, None], logits_BSKG, _MASKED)
+  probs_BSKG = jax.nn.softmax(logits_BSKG, axis=1)
+  clean_BSKH = jnp.where(mask_BS[:, :, None, None], v_BSKH, jnp.zeros((), v_BSKH.dtype))
+  out_BKGH = jnp.sum(probs_BSKG[..., None] * clean_BSKH[:, :, :, None, :].astype(jnp.float32),
+                     axis=1)
+  return out_BKGH.reshape(b, 1, n, h).astype(q_B1NH.dtype)
 
 
 def online_attend(q_BTNH: jax.Array, blocks: Any, fetch: Callable, q_pos_BT: jax.Array, *,

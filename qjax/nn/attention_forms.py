@@ -25,7 +25,10 @@ cuDNN and splash mask by index (query i sees keys j <= i), which equals qjax's p
 when the keys are the queries' own at consecutive positions. `fused_attend` therefore checks
 that at run time (`lax.cond`) and otherwise runs the blockwise scan over the given keys, so it
 is exact for any positions (padding after the real tokens keeps the fused branch).
-Decode (T = 1) always runs dense: one query row is O(S) in every form.
+Decode (T = 1) runs dense (one query row is O(S) in every form), and on a GPU as 'reduce'
+(`attention_core.attend_reduce`): the dense dots take (B, K) as batch dims, which XLA:GPU
+wants major-most, so it transposes the (B, S, K, H) cache in and out every step; products
+summed in place read it once. On a CPU the dots are faster, on a TPU both read the same bytes.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from qjax import target as qjax_target
 from qjax.nn import attention_core
 
 _LOG = logging.getLogger('qjax.nn.attention_forms')
-FORMS = ('dense', 'blockwise', 'sdpa_xla', 'cudnn', 'splash')
 # cuDNN's fused attention: the largest head dim it takes in every cuDNN 9 release, and from
 # Hopper (compute capability 9.0) on, as jax's own check has it (`check_is_flash_attention` in
 # jax._src.cudnn.fused_attention_stablehlo, jax 0.10 to 0.12): Gemma 3's 256 fuses there.
@@ -88,6 +90,9 @@ def choose_form(impl: str, *, t: int, dtype, head_dim: int,
   target = qjax_target.current()
   on = on or target.platform
   if t == 1:
+    if on in ('nvidia', 'rocm'):
+      return Form('reduce', 'decode on a GPU: products summed in place read the cache in its '
+                  'own layout (the dense dots make XLA:GPU transpose it in and out every step)')
     return Form('dense', 'decode: one query row costs O(S) in every form')
   if impl == 'auto':
     if on == 'cpu':

@@ -33,12 +33,7 @@ PREFILL = 1.2      # prefill bytes and flops over bf16's
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Known gaps (docs/quantized_matmul.md): not asserted to fail, shown as expected failures.
-# Two layers (the full configuration): int4 g128 at batch 8 reads 0.31x, since each layer's
-# KV-cache transposes and scatters (~20 MB, the same in every format) weigh more beside its
-# codes and f32 g128 scales (1/16 of the codes) than beside the head; one layer reads 0.30x.
-KV_LAYER = ("the decode step's KV-cache copies (~20 MB a layer in every format, bf16 too) "
-            "and the f32 g128 scales: 0.31x bf16's bytes at two layers")
-GAPS = {('h200', 8, 'int4_g128'): KV_LAYER} if FULL else {}
+GAPS = {}
 TEMP_GAPS = {}
 # XLA:GPU of jax 0.12 holds ~16.8 MB of temp in every format's decode step (bf16's too; 8.4 MB
 # under jax 0.10): 5.2% of the one-layer int8 / fp8 model's weights, 0.3% of the 16-layer one's.

@@ -10,6 +10,7 @@ from qjax import target as qjax_target
 from qjax.kernels import splash
 from qjax.nn import Transformer, TransformerConfig, attend, init_cache, layer_forms
 from qjax.nn import attention_forms
+from qjax.nn.attention_core import attend_reduce
 from qjax.nn.attention_forms import choose_form, fused_attend
 
 
@@ -59,6 +60,28 @@ def test_sdpa_xla_matches_float64_reference_over_a_cache(heads, window):
   np.testing.assert_allclose(out, reference(q, k, v, q_pos, k_pos, window), atol=2e-5)
 
 
+@pytest.mark.parametrize('heads,window,softcap', [((4, 2), None, None), ((4, 1), 5, 20.0)])
+def test_decode_reduce_matches_float64_reference_and_dense(heads, window, softcap):
+  n, kh = heads
+  q, _, _ = qkv(3, 1, n, kh, 16, seed=1)
+  _, k, v = qkv(3, 12, n, kh, 16, seed=2)
+  q_pos = jnp.asarray([[11], [4], [0]])  # ragged rows: slots past a row's position are stale
+  k_pos = jnp.broadcast_to(jnp.arange(12), (3, 12))
+  out = attend_reduce(q, k, v, q_pos, k_pos, window=window, logit_softcap=softcap)
+  want = reference(q, k, v, q_pos, k_pos, window, softcap)
+  np.testing.assert_allclose(out, want, atol=2e-5)
+  dense = attend(q, k, v, q_pos, k_pos, window=window, logit_softcap=softcap)
+  np.testing.assert_allclose(out, dense, atol=2e-5)
+  # A NaN in a slot a row cannot see adds nothing to it; one it can see makes it NaN.
+  bad = v.at[1, 7].set(jnp.nan)  # row 1 (position 4) cannot see slot 7
+  for f in (attend_reduce, attend):
+    got = f(q, k, bad, q_pos, k_pos, window=window, logit_softcap=softcap)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    seen = f(q, k, v.at[0, 11].set(jnp.nan), q_pos, k_pos, window=window,
+             logit_softcap=softcap)
+    assert bool(jnp.all(jnp.isnan(seen[0]))) and bool(jnp.all(jnp.isfinite(seen[1:])))
+
+
 def test_index_masked_forms_fall_back_to_the_scan_when_positions_are_not_consecutive():
   q, k, v = qkv(1, 24, 4, 2, 16)
   gap = jnp.concatenate([jnp.arange(12), jnp.arange(12) + 20])[None]  # a jump: not aligned
@@ -96,7 +119,8 @@ def test_choose_form_per_platform(on, impl, dtype, softcap, head_dim, want):
     assert 'cannot take' in long.reason or 'softcap' in long.reason
   else:
     assert short.name == long.name == want, short
-  assert choose_form(impl, t=1, dtype=dtype, head_dim=head_dim, on=on).name == 'dense'
+  decode = choose_form(impl, t=1, dtype=dtype, head_dim=head_dim, on=on).name
+  assert decode == ('reduce' if on == 'nvidia' else 'dense')
 
 
 def test_cudnn_takes_head_dim_256_from_hopper_on():
