@@ -103,15 +103,6 @@ def _pad_tokens(tokens_BT, width: int):
   return jnp.pad(jnp.asarray(tokens_BT), ((0, 0), (0, pad)))
 
 
-def _fed_positions(cache, width: int, num_real):
-  """positions_BT of a call of `width` tokens, the first `num_real` real: padding sits at
-  EMPTY_POSITION, later than every query (hidden by the causal mask) and never written to a
-  ring; a full-length layer writes it past the row's length, where a rollback would leave it."""
-  positions_BT = kvcache.next_positions(cache, width)
-  real_1T = jnp.arange(width, dtype=jnp.int32)[None] < num_real
-  return jnp.where(real_1T, positions_BT, kvcache.EMPTY_POSITION)
-
-
 def _last_logits(model, tokens_BT, cache, num_real):
   """`model(tokens_BT[:, :num_real], cache=cache)` with the head on the last real position;
   NaN logits for a row fed an id outside the vocabulary (`qjax.nn.validate`).
@@ -120,13 +111,12 @@ def _last_logits(model, tokens_BT, cache, num_real):
   a 512 MiB buffer and ~2/3 of the prefill's FLOPs). The checks `Transformer.__call__` makes
   on the cache run on the host in `_check_and_run`.
   """
-  positions_BT = _fed_positions(cache, tokens_BT.shape[1], num_real)
-  x_BTD, cache = model.blocks(model.embed_tokens(tokens_BT), positions_BT, cache)
+  x_BTD, cache = kvcache.forward(model, tokens_BT, cache, num_real, num_real=num_real)
   x_B1D = jax.lax.dynamic_slice_in_dim(x_BTD, num_real - 1, 1, axis=1)
   # Poisoning the (B, 1, D) hidden state, not the (B, V) logits: no extra pass over V.
   ok_B = validate.ids_in_range(tokens_BT, model.config.vocab_size, num_real)
   x_B1D = validate.poison_rows(x_B1D, ok_B)
-  return model.logits(x_B1D)[:, 0], kvcache.advance(cache, num_real)
+  return model.logits(x_B1D)[:, 0], cache
 
 
 # The names under which each jitted step counts its traces (`qjax.nn.traces`).
@@ -321,10 +311,9 @@ def decode_steps(model: nnx.Module, tok_B: jax.Array, cache: KVCache, num_steps:
 def _logits_step(graphdef, state, tokens_BT, num_real, cache):
   traces.traced(_STEPS['logits'])
   model = _merge(graphdef, state)
-  positions_BT = _fed_positions(cache, tokens_BT.shape[1], num_real)
-  x_BTD, cache = model.blocks(model.embed_tokens(tokens_BT), positions_BT, cache)
+  x_BTD, cache = kvcache.forward(model, tokens_BT, cache, num_real, num_real=num_real)
   ok_B = validate.ids_in_range(tokens_BT, model.config.vocab_size, num_real)
-  return model.logits(validate.poison_rows(x_BTD, ok_B)), kvcache.advance(cache, num_real)
+  return model.logits(validate.poison_rows(x_BTD, ok_B)), cache
 
 
 def _padded_run(model, tokens_BT, cache, buckets, what: str, run: Callable):

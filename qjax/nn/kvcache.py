@@ -438,26 +438,33 @@ def next_positions(cache: KVCache, num_new: int) -> jax.Array:
   return cache.length[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
 
 
-def forward(model, tokens_BT: jax.Array, cache: KVCache,
-            num_new_B: jax.Array) -> tuple[jax.Array, KVCache]:
+def forward(model, tokens_BT: jax.Array, cache: KVCache, num_new_B: Union[int, jax.Array], *,
+            num_real: Union[None, int, jax.Array] = None) -> tuple[jax.Array, KVCache]:
   """Run `model`'s blocks over the cache under the caller's jit: (x_BTD of the last block,
   cache), the returned cache's length advanced by `num_new_B` per row.
 
-  The cache forward of `qjax.infer.spec_round` (`qjax.infer.paged.forward` is the paged
-  cache's). Row b's T tokens are written at positions `length[b] + 0..T-1`; those past its
-  num_new sit past its new length, hidden by the causal mask until rewritten. A row that
-  writes nothing (num_new 0: a finished row that still runs, shapes being fixed) and whose T
-  slots would pass max_len writes them at the last T slots instead, over its own cached
-  positions: such a row is not read again. A row that writes and would pass max_len gets
-  NaN (`poison_overflow`). `model.logits` turns x into logits.
+  The one cache forward: `Transformer.__call__`, the generation steps (`qjax.nn.generate`)
+  and the speculative round (`qjax.infer.spec_round`) run it (`qjax.infer.paged.forward` is
+  the paged cache's). Row b's T tokens are written at positions `length[b] + 0..T-1`; those
+  past its num_new sit past its new length, hidden by the causal mask until rewritten. With
+  `num_real`, the tokens after the first num_real of every row are padding (a call padded to
+  its bucket): at EMPTY_POSITION, later than every query and never written to a ring. A row
+  that writes nothing (num_new 0: a finished row that still runs, shapes being fixed) and
+  whose T slots would pass max_len writes them at the last T slots instead, over its own
+  cached positions: such a row is not read again. A row that writes and would pass max_len
+  gets NaN (`poison_overflow`). `model.logits` turns x into logits.
   """
   t = tokens_BT.shape[1]
   length_B = cache.length
   num_new_B = jnp.asarray(num_new_B, jnp.int32)
   parked_B = (num_new_B == 0) & (length_B + t > cache.max_len)
   cache = dataclasses.replace(cache, length=jnp.where(parked_B, cache.max_len - t, length_B))
+  positions_BT = next_positions(cache, t)
+  if num_real is not None:
+    real_1T = jnp.arange(t, dtype=jnp.int32)[None] < num_real
+    positions_BT = jnp.where(real_1T, positions_BT, EMPTY_POSITION)
   x_BTD = poison_overflow(cache, t, model.embed_tokens(tokens_BT))
-  x_BTD, cache = model.blocks(x_BTD, next_positions(cache, t), cache)
+  x_BTD, cache = model.blocks(x_BTD, positions_BT, cache)
   return x_BTD, dataclasses.replace(cache, length=length_B + num_new_B)
 
 

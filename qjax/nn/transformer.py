@@ -187,25 +187,18 @@ class Transformer(nnx.Module):
                          f'config.max_len={cfg.max_len}; truncate it or raise max_len.')
       if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    else:
-      if positions_BT is not None:
-        raise ValueError('Transformer: positions with a cache are cache.length[b] + 0..T-1 '
-                         'per row; pass positions_BT=None.')
-      if cache.batch != b or cache.num_layers != cfg.num_layers:
-        raise ValueError(f'Transformer: cache has batch {cache.batch} and {cache.num_layers} '
-                         f'layers, tokens have batch {b} and the model {cfg.num_layers} '
-                         'layers; build it with init_cache(config, batch).')
-      kvcache.check_fits(cache, t)
-      positions_BT = kvcache.next_positions(cache, t)
-
-    x_BTD = self.embed_tokens(tokens_BT)
-    if cache is not None and isinstance(cache.length, jax.core.Tracer):
-      # Under the caller's jit `check_fits` cannot raise, and a write past max_len would
-      # clamp onto the last slots and run on with finite, wrong logits: such a row is NaN
-      # instead, as an out-of-vocabulary id is.
-      x_BTD = kvcache.poison_overflow(cache, t, x_BTD)
-    x_BTD, cache = self.blocks(x_BTD, positions_BT, cache)
-    logits_BTV = self.logits(x_BTD)
-    if cache is None:
-      return logits_BTV
-    return logits_BTV, kvcache.advance(cache, t)
+      x_BTD, _ = self.blocks(self.embed_tokens(tokens_BT), positions_BT)
+      return self.logits(x_BTD)
+    if positions_BT is not None:
+      raise ValueError('Transformer: positions with a cache are cache.length[b] + 0..T-1 '
+                       'per row; pass positions_BT=None.')
+    if cache.batch != b or cache.num_layers != cfg.num_layers:
+      raise ValueError(f'Transformer: cache has batch {cache.batch} and {cache.num_layers} '
+                       f'layers, tokens have batch {b} and the model {cfg.num_layers} '
+                       'layers; build it with init_cache(config, batch).')
+    kvcache.check_fits(cache, t)
+    # Under the caller's jit `check_fits` cannot raise, and a write past max_len would clamp
+    # onto the last slots and run on with finite, wrong logits: the cache forward makes such
+    # a row NaN instead, as an out-of-vocabulary id is.
+    x_BTD, cache = kvcache.forward(self, tokens_BT, cache, t)
+    return self.logits(x_BTD), cache
