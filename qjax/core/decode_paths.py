@@ -372,9 +372,18 @@ def matrix_einsum(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.
   m_shape = tuple(x.shape[xs.index(c)] for c in x_only)
   k = math.prod(w.shape[:a])
   dtype = jnp.promote_types(x.dtype, w.dtype)
-  x2 = x2.reshape(math.prod(m_shape), k).astype(dtype)
+  m = math.prod(m_shape)
+  x2 = x2.reshape(m, k).astype(dtype)
+  # XLA:GPU rewrites a one-row dot with a weight of up to a few million elements as a
+  # multiply and a reduce it does not fuse: a product the weight's size is written and read
+  # again (3x the weight's bytes). Two rows keep the GEMM, which reads the weight once.
+  pad = m == 1 and qjax_target.platform() in ('nvidia', 'rocm')
+  if pad:
+    x2 = jnp.concatenate([x2, jnp.zeros_like(x2)])
   y2 = lax.dot_general(x2, w.reshape(k, -1).astype(dtype), (((1,), (0,)), ((), ())),
                        preferred_element_type=out_dtype)
+  if pad:
+    y2 = y2[:1]
   return _finish(y2, x_only, m_shape, ws[a:], w.shape[a:], out, y2.dtype)
 
 
