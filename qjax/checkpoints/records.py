@@ -337,8 +337,8 @@ def read_record(out_dir: str, verify: bool = True) -> dict:
     writers = ('python -m experiments.convert --config.source=HF_DIR --config.out=OUT (a HF '
                'checkpoint) or python -m experiments.quantize writes one')
     if not os.path.isdir(out_dir):
-      raise ValueError(f'{out_dir!r} does not exist or is not a directory; pass a qjax '
-                       f'conversion output ({writers}).')
+      raise ValueError(f'{out_dir!r} does not exist or is not a directory, so it has no '
+                       f'{RECORD_NAME}; pass a qjax conversion output ({writers}).')
     if os.path.isfile(os.path.join(out_dir, 'config.json')):
       raise ValueError(f'{out_dir!r} has no {RECORD_NAME}: it is a HF checkpoint, not a qjax '
                        'conversion output; convert it first (python -m experiments.convert '

@@ -142,8 +142,9 @@ def test_saving_into_an_existing_file_is_refused(tmp_path, saved_quantized):
 def test_a_directory_that_is_no_conversion_output_says_how_to_make_one(tmp_path):
   # `serve --config.checkpoint=<a HF checkpoint>` said to run experiments.quantize, and a
   # missing directory 'has no conversion_record.json'.
-  with pytest.raises(ValueError, match=r"'.*nope' does not exist or is not a directory; pass a "
-                                       r'qjax conversion output \(python -m experiments.convert'):
+  with pytest.raises(ValueError, match=r"'.*nope' does not exist or is not a directory, so it "
+                                       r'has no conversion_record.json; pass a qjax conversion '
+                                       r'output \(python -m experiments.convert'):
     qckpt.read_record(str(tmp_path / 'nope'))
   (tmp_path / 'config.json').write_text('{}')
   with pytest.raises(ValueError, match=r'it is a HF checkpoint, not a qjax conversion output; '
