@@ -14,6 +14,9 @@
 #
 #   bash benchmarks/accelerator_run.sh [all|suite|check] [--dry-run]
 #
+# The exit status is 0 when both parts passed: else the suite's (pytest's; 124 where $SUITE_S
+# cut it short) or'd with the check's.
+#
 # TESTS (default: the directories that have not run on a GPU yet, then the rest) picks what the
 # suite runs; WORKERS its pytest-xdist workers (default 14). --dry-run prints the commands and
 # runs nothing (tests/benchmarks/test_accelerator_run.py checks that every path it names
@@ -65,12 +68,14 @@ if [ "$WHAT" != check ]; then
   run timeout -s INT "$SUITE_S" "$PY" -m pytest $TESTS -q -n "$WORKERS" --dist loadscope \
     --max-worker-restart=0 -p no:cacheprovider --junitxml="$OUT/suite.xml" --durations=20 \
     -o console_output_style=classic 2>&1 | tee "$OUT/suite.log" | tail -40
-  [ "$DRY" = 1 ] || status=${PIPESTATUS[0]}
+  rc=${PIPESTATUS[0]}  # pytest's (timeout's: 124 when $SUITE_S cut it), read before any test
+  [ "$DRY" = 1 ] || status=$rc
 fi
 if [ "$WHAT" != suite ]; then
   # shellcheck disable=SC2086  # CHECK_ARGS is a list of arguments
   OUT="$OUT/device_check" CACHE_DIR="$CACHE_DIR" run bash benchmarks/device_check.sh \
     --budget_s="$CHECK_S" $CHECK_ARGS
-  [ "$DRY" = 1 ] || status=$(( status | $? ))
+  rc=$?
+  [ "$DRY" = 1 ] || status=$(( status | rc ))
 fi
 exit "$status"

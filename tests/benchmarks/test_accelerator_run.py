@@ -3,17 +3,21 @@ CPU in its dry-run mode: it parses, every test path and script it would run exis
 directory fails here, not on the accelerator), the directories that have not run on a GPU come
 first, the suite and the check together stay within 540 s, and a bad argument is refused."""
 
+import json
 import os
 import pathlib
 import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / 'benchmarks' / 'accelerator_run.sh'
 
 
-def _run(*args, **env):
+def _run(*args, timeout=60, **env):
+  # The suite it starts is a pytest run of its own, not this one's xdist worker.
+  base = {k: v for k, v in os.environ.items() if not k.startswith('PYTEST_')}
   return subprocess.run(['bash', str(SCRIPT), *args], capture_output=True, text=True,
-                        env={**os.environ, **env}, cwd=ROOT, timeout=60)
+                        env={**base, **env}, cwd=ROOT, timeout=timeout)
 
 
 def _test_dirs() -> set:
@@ -62,3 +66,30 @@ def test_parts_and_bad_arguments(tmp_path):
   assert '--budget_s=100 --engine=w8a8 --hf=no' in check.stdout
   bad = _run('everything')
   assert bad.returncode == 2 and "unknown argument 'everything'" in bad.stderr
+
+
+def test_a_real_run_on_the_cpu_passes_and_writes_both_parts(tmp_path):
+  """Not a dry run: one quick test for the suite and a smoke device check of one model, on
+  the CPU; exit 0 with the suite's junit XML and the check's files. A failing suite makes the
+  exit status non-zero (the status is read from pytest, not from a later command)."""
+  out = tmp_path / 'out'
+  env = dict(PYTHON=sys.executable, JAX_PLATFORMS='cpu', OUT=str(out), CACHE_DIR='',
+             WORKERS='1', SUITE_S='240', CHECK_S='200',
+             TESTS='tests/aot/test_aot_toolchain.py::test_status_of_an_empty_folder_names_the_'
+                   'install_command',
+             CHECK_ARGS='--smoke --models=gemma3_270m --formats=bf16 --engine= --hf=no '
+                        '--attention=no --threads=2')
+  done = _run('all', timeout=420, **env)
+  assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+  assert 'tests="1"' in (out / 'suite.xml').read_text()
+  assert '1 passed' in (out / 'suite.log').read_text()
+  check = json.loads((out / 'device_check' / 'device_check.json').read_text())
+  assert [(r['model'], r['format']) for r in check['rows']] == [('gemma3_270m', 'bf16')]
+  assert 'error' not in check['rows'][0]
+  assert (out / 'device_check' / 'device_check.md').is_file()
+
+  failing = tmp_path / 'failing'
+  failing.mkdir()
+  (failing / 'test_fails.py').write_text('def test_fails():\n  assert False\n')
+  done = _run('suite', timeout=240, **dict(env, TESTS=str(failing), OUT=str(tmp_path / 'f')))
+  assert done.returncode == 1, (done.stdout[-3000:], done.stderr[-3000:])
