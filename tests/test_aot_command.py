@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -142,3 +143,28 @@ def test_a_hf_config_json_or_a_gguf_names_the_model_without_weights(tmp_path):
   assert name == 'small' and 'GGUF' in label
   assert (got.d_model, got.num_layers, got.head_dim) == (cfg.d_model, cfg.num_layers,
                                                          cfg.head_dim)
+
+
+@pytest.mark.plots
+@pytest.mark.skipif(_NO_TOOLCHAIN, reason='no compile-only toolchain: python -m qjax.aot.install')
+def test_a_hf_config_json_alone_compiles_from_the_command_line(tmp_path):
+  """A HF config.json in a folder with no weights: the command compiles its shapes for a v5e
+  (one format, decode only) and names the files after the folder."""
+  folder = tmp_path / 'my-llama'
+  folder.mkdir()
+  shutil.copy(ROOT / 'tests' / 'testdata' / 'hf_tiny' / 'llama' / 'config.json', folder)
+  out = tmp_path / 'out'
+  env = dict(os.environ, JAX_PLATFORMS='cpu', JAX_ENABLE_COMPILATION_CACHE='false')
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.aot', f'--config={ROOT}/configs/aot.py:small',
+       f'--config.model={folder / "config.json"}', '--config.targets=v5e-1',
+       '--config.formats=bf16', '--config.batches=1', '--config.prefill_len=0',
+       '--config.context=8', f'--config.out_dir={out}'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert sorted(p.name for p in folder.iterdir()) == ['config.json']  # no weight was needed
+  result = json.loads((out / 'my-llama-v5e-1' / 'aot.json').read_text())
+  [row] = result['rows']
+  assert (row['program'], row['format']) == ('decode B=1', 'bf16')
+  assert row['report']['compiled'] and row['report']['fits'], row['report']['error']
+  assert 'HF config.json' in (out / 'my-llama-v5e-1' / 'aot.md').read_text()

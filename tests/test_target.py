@@ -1,6 +1,8 @@
 """qjax.target: where the target is read from, and every path decision following it."""
 
+import ast
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -126,3 +128,60 @@ def test_a_compile_only_gpu_names_the_cudnn_stand_in():
     assert form.name == 'dense' and 'compile-only' in form.reason
   with qjax_target.use(dataclasses.replace(H200, compile_only=False)):
     assert choose_form('auto', t=512, dtype='bfloat16', head_dim=128).name == 'cudnn'
+
+
+# ------------------------------------------------------------ no path reads the host backend
+# Who may name the host's backend: qjax.target (its last resort) and records that state it
+# beside the target (`hardware_info`). Any other read in qjax/ is a path decision that would
+# follow the host, not the target: a program traced for a compile-only TPU on a CPU host
+# would take the CPU's path.
+_BACKEND_READERS = {('qjax/target.py', 'current'), ('qjax/checkpoints/records.py', 'hardware_info')}
+_BACKEND_CALLS = ('default_backend', 'get_backend')
+
+
+def _backend_reads(source: str) -> list[tuple[int, str]]:
+  """(line, enclosing function) of every `default_backend` / `get_backend` named in code
+  (an attribute, a name or an import; comments and strings are not code)."""
+  found = []
+
+  def visit(node, func):
+    for child in ast.iter_child_nodes(node):
+      inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+      name = (child.attr if isinstance(child, ast.Attribute) else
+              child.id if isinstance(child, ast.Name) else None)
+      if isinstance(child, (ast.Import, ast.ImportFrom)):
+        name = next((a.name.rsplit('.', 1)[-1] for a in child.names
+                     if a.name.rsplit('.', 1)[-1] in _BACKEND_CALLS), None)
+      if name in _BACKEND_CALLS:
+        found.append((child.lineno, func))
+      visit(child, inner)
+
+  visit(ast.parse(source), '<module>')
+  return found
+
+
+def test_the_scan_finds_a_backend_read_in_code_only():
+  src = ('import jax\nfrom jax.extend.backend import get_backend\n'
+         "def path():\n  # jax.default_backend() in a comment is no read\n"
+         "  '''nor in a docstring: jax.default_backend()'''\n"
+         "  return 'tpu' if jax.default_backend() == 'tpu' else jax.lib.xla_bridge.get_backend()\n")
+  assert _backend_reads(src) == [(2, '<module>'), (6, 'path'), (6, 'path')]
+
+
+def test_no_path_decision_in_qjax_reads_the_default_backend():
+  """Only qjax.target reads `jax.default_backend()` (and jax's get_backend); a record may
+  state it. Every other reader must ask `qjax.target.current()`, so that a program compiled
+  for a TPU or GPU this host does not have takes that device's paths."""
+  root = pathlib.Path(qjax_target.__file__).resolve().parents[1]
+  readers = set()
+  for path in sorted((root / 'qjax').rglob('*.py')):
+    rel = path.relative_to(root).as_posix()
+    for line, func in _backend_reads(path.read_text()):
+      assert (rel, func) in _BACKEND_READERS, (
+          f'{rel}:{line} ({func}) reads the host backend; decide from qjax.target.current()')
+      readers.add((rel, func))
+  assert readers == _BACKEND_READERS  # the allowed readers are still where this test says
+  # The record that states the host's backend states the target beside it.
+  from qjax.checkpoints import records  # pylint: disable=g-import-not-at-top
+  hw = records.hardware_info()
+  assert hw['backend'] == jax.default_backend() and hw['target'] == qjax_target.current().facts()

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from qjax import kernels as qjax_kernels
 from qjax.aot import gate, programs, toolchain
 
 # Temp budgets: what a program may hold besides its arguments and outputs, as a multiple of
@@ -171,3 +172,38 @@ def test_bytes_against_bf16_are_recorded_for_every_format(result):
     for kind in ('decode_b8', 'prefill'):
       assert {(target, kind, f) for f in gate.WIDE if f != 'bf16'} <= have
   assert all(r['ratio'] > 0 for r in rows)
+
+
+# Every Pallas kernel module qjax ships, and where the gate must see its kernel called:
+# (target, 'kernel' for the gate's kernel programs or 'model' for a model's program, a
+# substring of the kernel's name). On the TPU a model's '_qmm' is tpu_qmm (the TPU's default
+# path, core/paths/pallas_tpu.py); pallas_qmm's is its kernel programs'. A GPU kernel needs
+# this jax's Pallas Triton backend.
+SHIPPED = {
+    'splash': [('v5e-1', 'model', 'splash_mqa_fwd')],
+    'paged_attention': [('v5e-1', 'model', 'qjax_paged_attention_mosaic'),
+                        ('h200', 'model', 'qjax_paged_attention_triton')],
+    'ragged_paged': [('v5e-1', 'model', gate.RAGGED)],
+    'pallas_qmm': [('v5e-1', 'kernel', '_qmm'), ('h200', 'kernel', '_qmm')],
+    'tpu_qmm': [('v5e-1', 'model', '_qmm')],
+    'tpu_gather': [('v5e-1', 'model', '_gather')],
+    'gpu_qmm_head': [('h200', 'model', '_qmm_nk')],
+}
+
+
+def test_every_pallas_kernel_qjax_ships_is_compiled_for_its_target(result):
+  folder = pathlib.Path(qjax_kernels.__file__).parent
+  shipped = {p.stem for p in folder.glob('*.py')  # a Pallas kernel, its own or jax's
+             if 'pallas_call' in p.read_text() or 'pallas.ops' in p.read_text()}
+  assert shipped == set(SHIPPED), f'a kernel module the gate does not name: {shipped}'
+  missing = []
+  for module, places in SHIPPED.items():
+    for target, where, name in places:
+      if target == 'h200' and not gate._triton():  # pylint: disable=protected-access
+        continue
+      called = [r for r in result['records'] if r['job']['target'] == target and
+                (r['job']['kind'] == 'kernel') == (where == 'kernel') and
+                any(name in n for n in r['report'].get('kernel_names') or {})]
+      if not called:
+        missing.append(f'{module}: no {where} program on {target} calls {name!r}')
+  assert not missing, '\n'.join(missing)

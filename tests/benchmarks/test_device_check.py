@@ -242,3 +242,21 @@ def test_decode_dispatch_runs():
   from benchmarks import decode_dispatch  # pylint: disable=g-import-not-at-top
   out = decode_dispatch.main(['--layers=1', '--steps=3', '--reps=1'])
   assert out['host'] > 0 and out['device'] > 0
+
+
+def test_an_engine_rows_hf_cell_reuses_the_hf_row_else_is_timed_or_says_why(monkeypatch):
+  """HF eager at the engine's 8 rows: the HF row's own cell where it timed batch 8, timed now
+  where it did not, and the reason where HF cannot run (no torch on this image)."""
+  p = check_models.Protocol(prefill=32, prompt=16, steps=4, batches=(1, 8), reps=1)
+  cell = {'host_loop_ms': 50.0, 'host_loop_tok_s': 160.0}
+  result = {'rows': [{'model': 'llama32_1b', 'format': 'hf-bf16', 'b8': cell}]}
+  assert device_check._hf_at(result, 'llama32_1b', 8, None, p, True) == dict(
+      cell, source='the HF row')
+  timed = []
+  monkeypatch.setattr(device_check.hf_rows, 'decode_cell',
+                      lambda m, b, p, smoke: timed.append((m, b)) or dict(cell))
+  assert device_check._hf_at(result, 'gemma3_270m', 8, None, p, True) == dict(
+      cell, source='timed here')
+  assert timed == [('gemma3_270m', 8)]
+  assert device_check._hf_at({'rows': []}, 'llama32_1b', 8, 'torch is not installed', p,
+                             True) == {'skipped': 'HF: torch is not installed'}
