@@ -5,8 +5,8 @@ XLA's own cost analysis gives 'bytes accessed' for TPU programs; for a compile-o
 gives none, so `bytes_moved` counts them from the module text: every op that touches memory
 (a fusion, custom call, copy, collective; not parameters, tuples, bitcasts) reads its operands
 and writes its result, a `while` body counts once per known trip, and a fusion that updates a
-buffer in place (`dynamic-update-slice` at its root) or only slices an operand counts the
-update and the slice, not the whole buffer; a `call` counts its computation once and a
+buffer in place (`dynamic-update-slice` or `scatter` at its root) or only slices an operand
+counts the update and the slice, not the whole buffer; a `call` counts its computation once and a
 `conditional` its costliest branch. It is an upper bound of HBM traffic (a fusion
 that reads part of an operand counts all of it) and the same rule for every format, so ratios
 between formats compare like with like.
@@ -138,6 +138,12 @@ def kernel_families(calls: dict) -> list:
   return found
 
 
+# Ops that update their first operand's buffer in place, by the index of their update: a
+# dynamic-update-slice (operand, update, indices...) and a scatter (operand, indices, updates)
+# write only the update (XLA aliases a dead operand's buffer; a live one gets a copy op).
+_IN_PLACE = {'dynamic-update-slice': 1, 'scatter': 2}
+
+
 def _fused_read_bytes(comp: list, n_operands: int) -> Optional[list]:
   """Per-operand bytes a fused computation reads: a parameter used only by dynamic-slices
   counts their results; a parameter that is the buffer a root dynamic-update-slice writes
@@ -157,7 +163,7 @@ def _fused_read_bytes(comp: list, n_operands: int) -> Optional[list]:
       users[name].append(ins)
   root = next((ins for ins in comp if ins.root), None)
   in_place = None
-  if root is not None and root.op == 'dynamic-update-slice':
+  if root is not None and root.op in _IN_PLACE:
     ops = _OPERAND.findall(root.rest)
     in_place = ops[0] if ops else None
   for name, index in params.items():
@@ -172,17 +178,18 @@ def _fused_read_bytes(comp: list, n_operands: int) -> Optional[list]:
 
 
 def _written_bytes(ins: _Instr, comps: dict) -> int:
-  """Bytes an op writes: its result, or the update of an in-place dynamic-update-slice."""
+  """Bytes an op writes: its result, or the update of an in-place dynamic-update-slice or
+  scatter."""
   called = _CALLS.search(ins.rest)
   comp = comps.get(called.group(1)) if called else None
-  if ins.op == 'dynamic-update-slice' or (comp and any(
-      i.root and i.op == 'dynamic-update-slice' for i in comp)):
+  if ins.op in _IN_PLACE or (comp and any(i.root and i.op in _IN_PLACE for i in comp)):
     inner = comp if comp else [ins]
     root = next((i for i in inner if i.root), ins) if comp else ins
     shapes = {i.name: i.type for i in inner}
     ops = _OPERAND.findall(root.rest)
-    if len(ops) > 1 and ops[1] in shapes:
-      return shape_bytes(shapes[ops[1]])
+    update = _IN_PLACE.get(root.op)
+    if update is not None and len(ops) > update and ops[update] in shapes:
+      return shape_bytes(shapes[ops[update]])
   return shape_bytes(ins.type)
 
 

@@ -31,6 +31,19 @@ def test_an_in_place_update_counts_the_update_not_the_buffer():
   assert _hlo.bytes_moved(text) == 64 + 4 + 64
 
 
+def test_an_in_place_scatter_counts_the_updates_not_the_buffer():
+  """A donated (B, S, D) cache whose rows each take one new slot (what a KV-cache write is):
+  the 2 x 8 new floats and the indices, not the 4 KiB buffer."""
+  def write(cache, new, at):
+    return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, 0))(
+        cache, new * 2, at)
+  text = _text(write, jax.ShapeDtypeStruct((2, 64, 8), jnp.float32),
+               jax.ShapeDtypeStruct((2, 1, 8), jnp.float32),
+               jax.ShapeDtypeStruct((2,), jnp.int32), donate_argnums=0)
+  assert 'scatter' in text
+  assert _hlo.bytes_moved(text) < 4 * 64 * 8, _hlo.bytes_moved(text)
+
+
 def test_a_loop_body_counts_once_per_known_trip():
   def loop(n):
     return lambda x: jax.lax.fori_loop(0, n, lambda i, x: jnp.sin(x) * 2, x)
