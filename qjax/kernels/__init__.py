@@ -23,9 +23,10 @@ F/BW/VL/DQ/VNNI: vpdpbusd integer dots, AVX-512 BF16 dots for 'kn' bf16 where th
 them) and 'avx2' (AVX2 + FMA: vpmaddubsw + vpmaddwd integer dots, bf16 widened to f32). A CPU
 with neither has no kernel.
 
-Layouts: 'kn' weights are (K, N), contracted axis first (every projection); 'nk' weights are
-(N, K), contracted axis last (the tied head 'BTD,VD->BTV'). int4 codes are qjax's packing
-(two per byte along the last axis, low nibble first).
+Layouts (`y_MF = x_MD @ w`, D contracted, F output, Q groups of scales along D): 'kn' weights
+are (D, F), contracted axis first (every projection); 'nk' weights are (F, D), contracted axis
+last (the tied head 'BTD,VD->BTV', F = V). int4 codes are qjax's packing (two per byte along
+the last axis, low nibble first).
 """
 
 from __future__ import annotations
@@ -167,25 +168,25 @@ def info() -> dict:
           'library': _STATE.get('library'), 'build': _STATE.get('build')}
 
 
-def gemv(x_MK: jax.Array, w: jax.Array, scale: Optional[jax.Array], layout: str,
+def gemv(x_MD: jax.Array, w: jax.Array, scale: Optional[jax.Array], layout: str,
          kind: str, act: Optional[str] = None) -> jax.Array:
   """`x @ W` on the CPU kernel, in f32.
 
   Args:
-    x_MK: activations (M, K), any float dtype (computed in f32).
-    w: 'kn': (K, N) int8 | (K, N/2) uint8 packed int4 | (K, N) bf16;
-       'nk': (N, K) int8 | (N, K/2) uint8 | (N, K) bf16.
-    scale: f32 group scales, 'kn': (G, N) (groups of K/G rows), 'nk': (N, G); None for bf16.
+    x_MD: activations (M, D), any float dtype (computed in f32).
+    w: 'kn': (D, F) int8 | (D, F/2) uint8 packed int4 | (D, F) bf16;
+       'nk': (F, D) int8 | (F, D/2) uint8 | (F, D) bf16.
+    scale: f32 group scales, 'kn': (Q, F) (groups of D/Q rows), 'nk': (F, Q); None for bf16.
     layout: 'kn' or 'nk' (module docstring).
     kind: 'int8', 'int4' or 'bf16'.
     act: None (f32 activations, weight-only numerics) or 'int8': activations quantized
-      in the kernel per row and per group of scales (per row when G = 1), scale amax / 127,
+      in the kernel per row and per group of scales (per row when Q = 1), scale amax / 127,
       round-half-even, +-127, exact integer dots, rescaled in f32: the numerics of
-      qeinsum's 'int8' path. Needs K / G a multiple of 4 ('kn') or of 64 / 128 ('nk' int8 /
+      qeinsum's 'int8' path. Needs D / Q a multiple of 4 ('kn') or of 64 / 128 ('nk' int8 /
       int4).
 
   Returns:
-    y (M, N) f32; for int4 'kn', N = 2 * w.shape[1] (the padded length).
+    y (M, F) f32; for int4 'kn', F = 2 * w.shape[1] (the padded length).
   """
   if layout not in LAYOUTS or kind not in KINDS or act not in (None, 'int8') or (
       act and kind == 'bf16'):
@@ -196,10 +197,10 @@ def gemv(x_MK: jax.Array, w: jax.Array, scale: Optional[jax.Array], layout: str,
   if reason is not None:
     raise RuntimeError(f'qjax.kernels.gemv: the CPU kernel is {reason}; check available() '
                        'first.')
-  m = x_MK.shape[0]
-  n = (2 * w.shape[1] if kind == 'int4' else w.shape[1]) if layout == 'kn' else w.shape[0]
-  out = jax.ShapeDtypeStruct((m, n), jnp.float32)
-  args = [x_MK.astype(jnp.float32), w]
+  m = x_MD.shape[0]
+  f = (2 * w.shape[1] if kind == 'int4' else w.shape[1]) if layout == 'kn' else w.shape[0]
+  out = jax.ShapeDtypeStruct((m, f), jnp.float32)
+  args = [x_MD.astype(jnp.float32), w]
   if kind != 'bf16':
     args.append(scale.astype(jnp.float32))
   name = f'qjax_gemv_{layout}_{kind}' + ('_a8' if act else '')

@@ -89,19 +89,19 @@ _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 def _gather(table_VD, ids_M, *, interpret: bool):
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
   v, d = table_VD.shape
-  n = ids_M.shape[0]
+  m = ids_M.shape[0]
   rt = min(row_tile(table_VD.dtype), v)
   ids = jnp.clip(ids_M, 0, v - 1)
   bits = 4 if jnp.dtype(table_VD.dtype) == jnp.dtype(jnp.int4) else (
       8 * jnp.dtype(table_VD.dtype).itemsize)
   cost = pl.CostEstimate(flops=0, transcendentals=0,
-                         bytes_accessed=n * rt * d * bits // 8 + n * d * 4 + n * 4)
+                         bytes_accessed=m * rt * d * bits // 8 + m * d * 4 + m * 4)
   out = pl.pallas_call(
       functools.partial(_kernel, rt=rt),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1, grid=(n,),
+          num_scalar_prefetch=1, grid=(m,),
           in_specs=[pl.BlockSpec((rt, d), lambda i, ids: (ids[i] // rt, 0))],
           out_specs=pl.BlockSpec((1, 1, d), lambda i, ids: (i, 0, 0))),
-      out_shape=jax.ShapeDtypeStruct((n, 1, d), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((m, 1, d), jnp.float32),
       interpret=interpret, cost_estimate=cost)(ids, table_VD)
-  return out.reshape(n, d)
+  return out.reshape(m, d)

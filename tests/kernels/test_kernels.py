@@ -46,10 +46,10 @@ def test_kernel_is_available_exactly_where_the_cpu_can_run_it():
   assert not (pathlib.Path(kernels.__file__).parent / 'build').exists()
 
 
-def _padded(scale_GN, n_padded):
-  """Scales for a packed int4 'kn' weight of odd N: the kernel's N is the padded length."""
-  s = np.asarray(scale_GN, np.float32)
-  return jnp.asarray(np.pad(s, [(0, 0), (0, n_padded - s.shape[1])], constant_values=1.0))
+def _padded(scale_QF, f_padded):
+  """Scales for a packed int4 'kn' weight of odd F: the kernel's F is the padded length."""
+  s = np.asarray(scale_QF, np.float32)
+  return jnp.asarray(np.pad(s, [(0, 0), (0, f_padded - s.shape[1])], constant_values=1.0))
 
 
 @pytest.mark.parametrize('m,n', [(1, 70), (5, 33), (16, 70), (3, 1)])
@@ -132,19 +132,19 @@ def test_explicit_kernel_path_and_its_limits():
     qjax.qdot(x, qf, path='kernel')  # fp8 codes: no kernel
 
 
-def _int8_act_reference(x, codes_KN, scale_GN):
-  """numpy: x quantized per row and per group of K (scale amax / 127, half-even rounding,
+def _int8_act_reference(x, codes_DF, scale_QF):
+  """numpy: x quantized per row and per group of D (scale amax / 127, half-even rounding,
   +-127), integer dots per group, rescaled: qeinsum's 'int8' numerics, written out in f64."""
   x = np.asarray(x, np.float64)
-  g = scale_GN.shape[0]
-  m, k = x.shape
-  xg = x.reshape(m, g, k // g)
+  q = scale_QF.shape[0]
+  m, d = x.shape
+  xg = x.reshape(m, q, d // q)
   amax = np.abs(xg).max(axis=2, keepdims=True)
   sx = np.where(amax == 0, 1.0, amax.astype(np.float32) / np.float32(127.0)).astype(np.float64)
   qx = np.clip(np.round((xg / sx).astype(np.float32)), -127, 127)
-  c = np.asarray(codes_KN, np.float64).reshape(g, k // g, -1)
-  dots = np.einsum('mgk,gkn->mgn', qx, c)  # exact integers
-  return np.einsum('mgn,mg,gn->mn', dots, sx[:, :, 0], np.asarray(scale_GN, np.float64))
+  c = np.asarray(codes_DF, np.float64).reshape(q, d // q, -1)
+  dots = np.einsum('mqd,qdf->mqf', qx, c)  # exact integers
+  return np.einsum('mqf,mq,qf->mf', dots, sx[:, :, 0], np.asarray(scale_QF, np.float64))
 
 
 @pytest.mark.parametrize('m,n', [(1, 70), (3, 33), (16, 70)])

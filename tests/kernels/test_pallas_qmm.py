@@ -43,7 +43,7 @@ def test_bf16_activations_and_small_blocks():
   q = quantize(W_DF, int_format(4, group_size=64, channel_axes=(1,)))
   x = jax.random.normal(K[1], (3, 256))
   ref = _ref64(x.astype(jnp.bfloat16).astype(jnp.float32), q)
-  y = pallas_qmm.qmm(x.astype(jnp.bfloat16), q.data, q.scale, bits=4, block_n=32)
+  y = pallas_qmm.qmm(x.astype(jnp.bfloat16), q.data, q.scale, bits=4, block_f=32)
   np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)  # codes exact in bf16, f32 sums
 
 

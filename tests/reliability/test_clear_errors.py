@@ -191,13 +191,13 @@ def test_load_gguf_of_a_directory(tmp_path):
 
 # ---- kernels and layouts --------------------------------------------------------------------
 @pytest.mark.parametrize('x,w,scale,message', [
-    ((0, 8), (8, 4), (1, 4), r'an empty operand \(M=0, K=8, N=4'),
-    ((1, 0), (0, 4), (1, 4), r'an empty operand \(M=1, K=0, N=4'),
-    ((1, 8), (8, 0), (1, 0), r'an empty operand \(M=1, K=8, N=0'),
-    ((1, 8), (8, 4), (0, 4), r'scales \(0, 4\) must be \(G, N=4\) with G >= 1 dividing K=8'),
+    ((0, 8), (8, 4), (1, 4), r'an empty operand \(M=0, D=8, F=4'),
+    ((1, 0), (0, 4), (1, 4), r'an empty operand \(M=1, D=0, F=4'),
+    ((1, 8), (8, 0), (1, 0), r'an empty operand \(M=1, D=8, F=0'),
+    ((1, 8), (8, 4), (0, 4), r'scales \(0, 4\) must be \(Q, F=4\) with Q >= 1 dividing D=8'),
 ])
 def test_pallas_qmm_with_an_empty_dimension(x, w, scale, message):
-  # Were a ZeroDivisionError (K or G of 0) or a TypeError from the grid (M or N of 0).
+  # Were a ZeroDivisionError (D or Q of 0) or a TypeError from the grid (M or F of 0).
   from qjax.kernels import pallas_qmm  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match=f'pallas_qmm: {message}'):
     pallas_qmm.qmm(jnp.zeros(x), jnp.zeros(w, jnp.int8), jnp.ones(scale), bits=8)
