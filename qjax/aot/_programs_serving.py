@@ -86,9 +86,9 @@ def abstract_cache(m: AbstractModel, config: EngineConfig, *, packed_tokens: int
         num_ring_pages=shape.num_ring_pages, fmt=fmt)
     if not packed_tokens:
       return cache
-    n = packed_tokens
-    return dataclasses.replace(cache, seq_of=jnp.zeros((n,), jnp.int32),
-                               slot_of=jnp.zeros((n,), jnp.int32), att_width=width,
+    m_tokens = packed_tokens  # M, the step's packed tokens
+    return dataclasses.replace(cache, seq_of=jnp.zeros((m_tokens,), jnp.int32),
+                               slot_of=jnp.zeros((m_tokens,), jnp.int32), att_width=width,
                                att_wide=wide)
 
   with _compile.tracing_for(m.target):
@@ -105,38 +105,39 @@ def engine_step(m: AbstractModel, config: EngineConfig, *, mixed: bool = False) 
   chunk_size tokens, one row feeding up to chunk_size), greedy and sampled rows both compiled
   (`lax.cond`), no repetition penalty."""
   b = config.max_batch
-  n, w, c = (b + config.chunk_size, config.chunk_size, 1) if mixed else (b, 1, 0)
+  # The bucket (M, T, C): M packed tokens, T tokens a chunk row feeds, C chunk rows.
+  packed, t, c = (b + config.chunk_size, config.chunk_size, 1) if mixed else (b, 1, 0)
   step = programs_of_engine.step.__wrapped__
   graphdef = m.graphdef
 
-  def run(state, tokens_N1, cache, last_B, params, position_B):
-    return step(graphdef, state, tokens_N1, cache, last_B, params, position_B, None)
+  def run(state, tokens_M1, cache, last_B, params, position_B):
+    return step(graphdef, state, tokens_M1, cache, last_B, params, position_B, None)
 
   ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  cache = abstract_cache(m, config, packed_tokens=n, width=w, wide=c)
-  bucket = f' N={n} W={w} C={c}' if mixed else ''
+  cache = abstract_cache(m, config, packed_tokens=packed, width=t, wide=c)
+  bucket = f' M={packed} T={t} C={c}' if mixed else ''
   return Program(f'engine_step B={b}{bucket} kv={config.kv_format}', run,
-                 (m.state, ints(n, 1), cache, ints(b), _sampling(b), ints(b)),
+                 (m.state, ints(packed, 1), cache, ints(b), _sampling(b), ints(b)),
                  donate_argnums=(2,), compute_bits=compute_bits(m.fmt))
 
 
 def engine_decode_block(m: AbstractModel, config: EngineConfig) -> Program:
   """The engine's decode block: `config.decode_block` steps of every row in one dispatch
   (`engine_programs.decode_block`), its rows' state as the engine keeps it on the device."""
-  b, k = config.max_batch, config.decode_block
+  b, u = config.max_batch, config.decode_block
   block_fn = programs_of_engine.decode_block.__wrapped__
   graphdef = m.graphdef
 
   def run(state, cache, rows, params, stop_early):
-    return block_fn(graphdef, state, cache, rows, params, k, stop_early)
+    return block_fn(graphdef, state, cache, rows, params, u, stop_early)
 
   ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   rows = LoopState(tok_B=ints(b), count_B=ints(b), max_B=ints(b), stop_BZ=ints(b, 1),
                    live_B=jax.ShapeDtypeStruct((b,), jnp.bool_))
   cache = abstract_cache(m, config)
-  return Program(f'engine_block B={b} x{k} kv={config.kv_format}', run,
+  return Program(f'engine_block B={b} x{u} kv={config.kv_format}', run,
                  (m.state, cache, rows, _sampling(b), jax.ShapeDtypeStruct((), jnp.bool_)),
-                 donate_argnums=(1,), compute_bits=compute_bits(m.fmt), tokens=k)
+                 donate_argnums=(1,), compute_bits=compute_bits(m.fmt), tokens=u)
 
 
 def engine_programs(m: AbstractModel, config: EngineConfig = None) -> list[Program]:
