@@ -9,7 +9,7 @@ stores a quantized paged KV), and times at `Protocol.engine_rows` (8) rows:
     the engine runs them (planning, block dispatch, readback and booking on the host), the
     best of `reps` servings;
   * the bare loop: `generate.decode_steps` at batch 8 over a contiguous cache of the same KV
-    format and about the same length (`Protocol.context` positions; the engine's block tables
+    format and about the same length (`Protocol.context` positions; the engine's page tables
     cover the same), the steps in one jitted loop, best of 2.
 
 Compiles: a warm-up serving of the same requests compiles what the timed ones run (the

@@ -213,7 +213,7 @@ def _step_fn(graphdef, hooks):
       here = qjax_target.current()
       with qjax_target.use(dataclasses.replace(here, platform='cpu', device_kind='cpu')):
         x_BTD = model.embed_tokens(tokens_BT)
-      x_BTD, cache = model.blocks(x_BTD, positions_BT, cache)
+      x_BTD, cache = model.run_layers(x_BTD, positions_BT, cache)
       logits_BV = model.logits(x_BTD[:, -1:])[:, 0]  # serving reads the last position only
     return logits_BV, kvcache.advance(cache, t)
   return step

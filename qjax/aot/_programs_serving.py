@@ -7,7 +7,7 @@ block, over a paged KV cache built for the target (`qjax.infer`).
 * engine_block (`infer.engine_programs.decode_block`): `block` decode steps of every row in one
   dispatch, the rows' state on the device.
 
-The pools are sized as `Engine` sizes them (`EngineConfig`: a block table covering `max_len`,
+The pools are sized as `Engine` sizes them (`EngineConfig`: a page table covering `max_len`,
 a ring of pages for sliding-window layers where it is shorter than the table) and stored in
 `kv` (int8 by default: a quantized paged KV). Where the target is one TPU or NVIDIA GPU, the
 decode rows attend through the Pallas paged kernel (`qjax.infer.paged_kernel.attention_form`:

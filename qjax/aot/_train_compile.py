@@ -118,7 +118,7 @@ def _compile_once(cfg, layout, mesh, *, batch: int, seq_len: int) -> dict:
           x_BTD = m.embed_tokens(tokens_BT1[:, :-1])
         positions_BT = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32),
                                         (tokens_BT1.shape[0], seq_len))
-        x_BTD, _ = m.blocks(x_BTD, positions_BT)
+        x_BTD, _ = m.run_layers(x_BTD, positions_BT)
         logits_BTV = m.logits(x_BTD)
       return optax.softmax_cross_entropy_with_integer_labels(
           logits_BTV, tokens_BT1[:, 1:]).mean()

@@ -72,7 +72,7 @@ def _position_nll(graphdef, state, tokens_1T, chunk):
   model = nnx.merge(graphdef, state)
   inp, tgt = tokens_1T[:, :-1], tokens_1T[0, 1:]
   t = inp.shape[1]
-  h, _ = model.blocks(model.embed_tokens(inp), jnp.arange(t, dtype=jnp.int32)[None])
+  h, _ = model.run_layers(model.embed_tokens(inp), jnp.arange(t, dtype=jnp.int32)[None])
   h = h[0].reshape(t // chunk, chunk, -1)
 
   def one(args):  # the head on J chunks of T positions: (J * T, V) f32 logits never exist

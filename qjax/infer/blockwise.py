@@ -94,7 +94,7 @@ def attention_temp_bytes(seq_len: int, impl: str, *, num_heads: int = 4, num_kv_
 def _nll(model, tokens_BT: jax.Array, logits_chunk: int) -> jax.Array:
   b, t = tokens_BT.shape
   positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  x_BTD, _ = model.blocks(model.embed_tokens(tokens_BT), positions_BT)
+  x_BTD, _ = model.run_layers(model.embed_tokens(tokens_BT), positions_BT)
   x_BTD, targets_BT = x_BTD[:, :-1], tokens_BT[:, 1:]
   chunk = min(logits_chunk, t - 1)
   pad = -(t - 1) % chunk

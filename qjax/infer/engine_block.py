@@ -130,7 +130,7 @@ class BlockDecoding:
     self._check(rows, k)
     sent0, kept0 = res.sent, res.kept
     cache = dataclasses.replace(
-        r.cache, block_table=res.put('table', x.table_BE),
+        r.cache, page_table=res.put('table', x.table_BE),
         ring_table=res.put('ring', x.ring_BE), length=res.put('length', x.length_B),
         num_new=res.put('num_new', np.zeros(len(rows), np.int32)), seq_of=None,
         slot_of=None, att_width=0, att_wide=0)
@@ -150,7 +150,7 @@ class BlockDecoding:
                         started=started if st.compile_s == compile_s else None)
 
   def _finish(self, rows, table, out, params, k: int, queue: bool, started=None):
-    """Read the dispatched block `out` of `rows` (run with block table `table`) and book its
+    """Read the dispatched block `out` of `rows` (run with page table `table`) and book its
     tokens. First, with `queue` and no request waiting, when the pool gives the pages for
     two blocks ahead (and `may_hold` allows two blocks), the next block of the same rows is
     dispatched from the device's own outputs, so it runs while the host reads and books this
@@ -159,7 +159,7 @@ class BlockDecoding:
     t0, r = time.perf_counter(), self.runner
     res, st, sched = r.resident, r.stats, r.scheduler
     _, new_rows, tok_BW, lp_BW, num_B = out
-    res.hold('table', table, out[0].block_table)  # the table `out` ran with, now its output
+    res.hold('table', table, out[0].page_table)  # the table `out` ran with, now its output
     sent0, kept0 = res.sent, res.kept
     nxt = None
     live = [s if s is not None and s.row == i and not s.finished else None
@@ -170,7 +170,7 @@ class BlockDecoding:
         and self.may_hold(2 * k) and sched.reserve_all(2 * k)):
       self._check(live, 2 * k)
       next_table = _inputs(live, r.max_pages, r.ring_width).table_BE
-      cache = dataclasses.replace(r.cache, block_table=res.put('table', next_table))
+      cache = dataclasses.replace(r.cache, page_table=res.put('table', next_table))
       st.host_s += time.perf_counter() - t0
       st.arrays_sent += res.sent - sent0
       st.arrays_kept += res.kept - kept0
@@ -194,7 +194,7 @@ class BlockDecoding:
                        for i, s in enumerate(rows)], r.max_pages, r.ring_width)
       new_rows = out[1]
       for name, host, dev in (
-          ('table', table, r.cache.block_table), ('ring', after.ring_BE, r.cache.ring_table),
+          ('table', table, r.cache.page_table), ('ring', after.ring_BE, r.cache.ring_table),
           ('length', after.length_B, r.cache.length),
           ('num_new', np.zeros(len(rows), np.int32), r.cache.num_new),
           ('tok', after.tok_B, new_rows.tok_B), ('position', after.position_B,
@@ -217,7 +217,7 @@ class BlockDecoding:
     r = self.runner
     x = _inputs([None] * len(params.seed_B), r.max_pages, r.ring_width)
     rows = LoopState(**{f: jnp.asarray(v) for f, v in x.loop().items()})
-    cache = dataclasses.replace(r.cache, block_table=jnp.asarray(x.table_BE),
+    cache = dataclasses.replace(r.cache, page_table=jnp.asarray(x.table_BE),
                                 ring_table=jnp.asarray(x.ring_BE),
                                 length=jnp.asarray(x.length_B), seq_of=None, slot_of=None,
                                 att_width=0, att_wide=0)

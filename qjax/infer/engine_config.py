@@ -20,7 +20,7 @@ class EngineConfig:
     num_pages: pages per full-attention layer pool, the sink page included.
     chunk_size: most prompt tokens a sequence feeds per step (chunked prefill).
     max_len: longest prompt + output (default: the model's `config.max_len`). Every row's
-      block table covers it and attention visits every table entry, so keep it near the
+      page table covers it and attention visits every table entry, so keep it near the
       longest request (Gemma's 32k context would scan 2048 pages of 16 per layer).
     kv_format: None (the model's `kv_format`, float when it has none) or a KV format name.
     prefix_caching: share full pages of identical prompt prefixes.

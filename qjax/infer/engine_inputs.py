@@ -54,7 +54,7 @@ def stop_width(n: int) -> int:
 class StepInputs:
   """Host values of one dispatch's inputs (B engine rows; the packed fields for a plain
   step only). A row is live when it feeds tokens; the others are padding."""
-  table_BE: np.ndarray  # block table (pages in logical order)
+  table_BE: np.ndarray  # page table (pages in logical order)
   ring_BE: np.ndarray  # ring pages (sliding-window layers)
   length_B: np.ndarray  # positions cached before the dispatch
   num_new_B: np.ndarray  # tokens fed
@@ -74,7 +74,7 @@ class StepInputs:
   def layout(self) -> dict:
     """The cache layout of a packed step (`paged.with_step`'s arguments)."""
     _, w, c = self.bucket
-    return dict(block_table=self.table_BE, ring_table=self.ring_BE, length=self.length_B,
+    return dict(page_table=self.table_BE, ring_table=self.ring_BE, length=self.length_B,
                 num_new=self.num_new_B, seq_of=self.seq_of_M, slot_of=self.slot_of_M,
                 att_width=w, att_wide=c)
 

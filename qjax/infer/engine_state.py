@@ -21,7 +21,7 @@ class SequenceState:
     params: the request's sampling parameters (opaque here).
     output: tokens generated so far.
     num_cached: positions whose K/V are in the cache.
-    pages: block-table pages (logical order); ring_pages: its ring (ring layers).
+    pages: page-table pages (logical order); ring_pages: its ring (ring layers).
     row: the batch row it runs in, or None while waiting.
     prefix_hit_tokens: prompt positions taken from the prefix cache at admission.
     swapped: the host copy of its cached pages while it waits swapped out, else None.

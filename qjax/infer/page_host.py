@@ -41,7 +41,7 @@ def _scatter_pages(cache: PagedKVCache, pages_E: jax.Array, ring_E: jax.Array, k
 def _padded_pages(cache: PagedKVCache, pages: Sequence[int], ring_pages: Sequence[int]):
   """Page ids padded to fixed lengths with the sink page (one compilation of each copy)."""
   if len(pages) > cache.max_pages:
-    raise ValueError(f'paged KV cache: {len(pages)} pages exceed a block table of '
+    raise ValueError(f'paged KV cache: {len(pages)} pages exceed a page table of '
                      f'{cache.max_pages}.')
   num_ring = cache.ring_table.shape[1]
   if any(cache.ring) and len(ring_pages) != num_ring:
@@ -59,7 +59,7 @@ def read_pages(cache: PagedKVCache, pages: Sequence[int], ring_pages: Sequence[i
 
   Args:
     cache: the device cache.
-    pages: block-table pages, logical order (at most `max_pages`).
+    pages: page-table pages, logical order (at most `max_pages`).
     ring_pages: the sequence's ring (all E of them), when the cache has ring layers.
 
   Returns:
@@ -90,7 +90,7 @@ def check_step(names: Sequence[str], lengths: Sequence[int], num_new: Sequence[i
     names: a name per row (the request id), for the message.
     lengths: positions each row has cached.
     num_new: tokens each row writes this step.
-    pages_held: pages each row's block table has assigned.
+    pages_held: pages each row's page table has assigned.
     page_size: Y.
     max_len: the model's (or the engine's) longest sequence.
 

@@ -1,10 +1,10 @@
-"""A paged KV cache (PagedAttention, Kwon et al. 2023): shared page pools and block tables.
+"""A paged KV cache (PagedAttention, Kwon et al. 2023): shared page pools and page tables.
 
 Storage: per layer one pool k/v of shape (num_pages, Y, K, H) (Y = page_size), float or a
 `QArray` in any KV format qjax has (`qjax.nn.kvcache.KV_FORMATS`: int8, int4, fp8, ...; the
 pool's scales are per (page, slot, kv head), i.e. per token and head, so a page write never
 changes what earlier tokens decode to). Row b of a step reads its pages through
-`block_table[b]`: logical page j (positions j*Y .. j*Y+Y-1) is pool page `block_table[b, j]`.
+`page_table[b]`: logical page j (positions j*Y .. j*Y+Y-1) is pool page `page_table[b, j]`.
 A page table is (B, E): E entries (pool pages) per row.
 
 Sliding-window layers (with `ring=True`) keep a ring of E pages per row instead
@@ -62,7 +62,7 @@ class PagedKVCache:
   Attributes:
     k: per layer, the key pool (num_pages, Y, K, H) (after RoPE), an array or a QArray.
     v: per layer, the value pool.
-    block_table: int32 (B, E = max_pages): pool pages of each row, logical page order.
+    page_table: int32 (B, E = max_pages): pool pages of each row, logical page order.
     ring_table: int32 (B, E = ring pages): ring pages of each row for ring layers ((B, 0)
       when none).
     length: int32 (B,): positions already cached per row (this step writes from there).
@@ -84,7 +84,7 @@ class PagedKVCache:
 
   k: tuple[Union[jax.Array, QArray], ...]
   v: tuple[Union[jax.Array, QArray], ...]
-  block_table: jax.Array
+  page_table: jax.Array
   ring_table: jax.Array
   length: jax.Array
   num_new: jax.Array
@@ -104,7 +104,7 @@ class PagedKVCache:
 
   @property
   def max_pages(self) -> int:
-    return int(self.block_table.shape[1])
+    return int(self.page_table.shape[1])
 
   def _valid_BT(self, positions_BT: jax.Array) -> jax.Array:
     """Whether each new token is real (not padding)."""
@@ -125,7 +125,7 @@ class PagedKVCache:
     if self.ring[layer]:
       table, logical_BT = self.ring_table, logical_BT % self.ring_table.shape[1]
     else:
-      table = self.block_table
+      table = self.page_table
       logical_BT = jnp.minimum(logical_BT, table.shape[1] - 1)
     if self.seq_of is not None:
       table = table[self.seq_of]  # each token's row's table
@@ -181,7 +181,7 @@ class PagedKVCache:
       Where `paged_kernel.attention_form` picks the ragged kernel for the step's widest row
       (a TPU), every row, decodes and chunks, attends in that one kernel call instead.
     """
-    table = self.ring_table if self.ring[layer] else self.block_table
+    table = self.ring_table if self.ring[layer] else self.page_table
     last_B = self.length + self.num_new - 1  # newest position each row holds
     if self.seq_of is None:
       return self._attend_rows(layer, q_BTNH, positions_BT, table, last_B, window=window,
@@ -217,7 +217,7 @@ class PagedKVCache:
 
   def _attend_rows(self, layer, q_BTNH, positions_BT, table, last_B, *, window,
                    logit_softcap):
-    """`attend` of rows that each read their own `table` row (ring or block table): the
+    """`attend` of rows that each read their own `table` row (ring or page table): the
     kernel `paged_kernel.attention_form` picks (the paged one for one query per row, the
     ragged one for more), else an online softmax over blocks of about KEYS_PER_BLOCK keys
     (whole pages)."""
@@ -282,7 +282,7 @@ def shard_pools(cache: PagedKVCache, rules, mesh) -> PagedKVCache:
   return dataclasses.replace(
       cache, k=tuple(place(p, f'pool k[{i}]') for i, p in enumerate(cache.k)),
       v=tuple(place(p, f'pool v[{i}]') for i, p in enumerate(cache.v)),
-      block_table=rep_(cache.block_table), ring_table=rep_(cache.ring_table),
+      page_table=rep_(cache.page_table), ring_table=rep_(cache.ring_table),
       length=rep_(cache.length), num_new=rep_(cache.num_new))
 
 
@@ -305,9 +305,9 @@ def init_paged_cache(config: TransformerConfig, *, num_pages: int, page_size: in
     num_pages: pages in each full-attention layer's pool (page 0 is the sink).
     page_size: Y, positions per page.
     batch: B, rows of a step.
-    max_pages: pages a row's block table holds (its longest sequence is max_pages * Y).
+    max_pages: pages a row's page table holds (its longest sequence is max_pages * Y).
     ring_pages: E of the ring table, ring pages per row for sliding-window layers; 0 keeps
-      them on the block table like full layers (what prefix sharing needs: a ring
+      them on the page table like full layers (what prefix sharing needs: a ring
       overwrites its pages).
     num_ring_pages: pages in each ring layer's pool (with ring_pages > 0).
     dtype: storage dtype of float pools / the dtype quantized pools read back as.
@@ -337,13 +337,13 @@ def init_paged_cache(config: TransformerConfig, *, num_pages: int, page_size: in
   layers = range(config.num_layers)
   return PagedKVCache(
       k=tuple(pool(i) for i in layers), v=tuple(pool(i) for i in layers),
-      block_table=jnp.zeros((batch, max_pages), jnp.int32),
+      page_table=jnp.zeros((batch, max_pages), jnp.int32),
       ring_table=jnp.zeros((batch, ring_pages if any(ring) else 0), jnp.int32),
       length=jnp.zeros((batch,), jnp.int32), num_new=jnp.zeros((batch,), jnp.int32),
       qformat=fmt, page_size=page_size, ring=ring)
 
 
-def with_step(cache: PagedKVCache, block_table, ring_table, length, num_new, *,
+def with_step(cache: PagedKVCache, page_table, ring_table, length, num_new, *,
               seq_of=None, slot_of=None, att_width: int = 0,
               att_wide: int = 0) -> PagedKVCache:
   """The cache with this step's tables and lengths (host arrays), per row. Rows may change
@@ -370,7 +370,7 @@ def with_step(cache: PagedKVCache, block_table, ring_table, length, num_new, *,
           f'and at most att_wide = {att_wide} rows of more than one token; got seq_of '
           f'{seq_of.tolist()}, slot_of {slot_of.tolist()}.')
     packed = dict(seq_of=jnp.asarray(seq_of), slot_of=jnp.asarray(slot_of))
-  return dataclasses.replace(cache, block_table=arr(block_table, cache.block_table),
+  return dataclasses.replace(cache, page_table=arr(page_table, cache.page_table),
                              ring_table=arr(ring_table, cache.ring_table),
                              length=arr(length, cache.length), num_new=arr(num_new, cache.num_new),
                              seq_of=packed.get('seq_of'), slot_of=packed.get('slot_of'),
@@ -392,5 +392,5 @@ def forward(model: nnx.Module, tokens_BT: jax.Array, cache: PagedKVCache,
   if num_new_B is not None:
     cache = dataclasses.replace(cache, num_new=jnp.asarray(num_new_B, jnp.int32))
   positions_BT = cache.positions(tokens_BT.shape[1])
-  x_BTD, cache = model.blocks(model.embed_tokens(tokens_BT), positions_BT, cache)
+  x_BTD, cache = model.run_layers(model.embed_tokens(tokens_BT), positions_BT, cache)
   return x_BTD, dataclasses.replace(cache, length=cache.length + cache.num_new)

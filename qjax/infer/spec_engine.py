@@ -5,7 +5,7 @@
     engine.spec_stats.alpha, engine.spec_stats.tokens_per_pass
 
 The draft (a quantized target, `layer_skip_draft`, any model of the same vocabulary) keeps
-its own page pools, indexed by the target's block tables: the scheduler's pages hold both
+its own page pools, indexed by the target's page tables: the scheduler's pages hold both
 models' keys and values for the same positions. Every step that prefills (a chunk of a
 prompt, or a recompute after preemption) or admits a request runs as in `Engine`, and the
 draft is fed the same tokens. A step where every running sequence decodes runs rounds
@@ -26,7 +26,7 @@ target's greedy decoding). Sampled requests draw from separate random streams in
 and in plain steps, and whether a step is a round depends on the other requests, so unlike
 `Engine` a sampled request's tokens (not their distribution) depend on its batch. Limits:
 recompute preemption only (a swap would have to copy the draft's pages too), no ring pages
-(the draft shares the block table), no repetition penalty (as `speculative_generate`).
+(the draft shares the page table), no repetition penalty (as `speculative_generate`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class SpeculativeDecoding:
   Args:
     runner: the engine's `engine_runner.Runner` (its cache, dispatch, scheduler, booking).
     draft: the draft `Transformer`; its pools are built here, indexed by the target's
-      block tables.
+      page tables.
     gamma: draft tokens per round.
     rounds_per_dispatch: the most rounds one dispatch runs.
     num_pages, page_size, max_batch: the engine's pool geometry.

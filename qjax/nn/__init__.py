@@ -4,12 +4,12 @@
     model = Transformer(TransformerConfig.tiny(), rngs=nnx.Rngs(0))
     logits_BTV = model(tokens_BT)                              # full causal forward
     logits_BTV, cache = model(prompt_BT, cache=init_cache(cfg, B, S))   # prefill, then decode
-    # model(tokens_BT) == model.logits(model.blocks(model.embed_tokens(tokens_BT), positions_BT)[0])
+    # model(tokens_BT) == model.logits(model.run_layers(model.embed_tokens(tokens_BT), pos_BT)[0])
     qmodel, report = quantize_model(model, QuantPolicy((QuantRule('.*', int_format(8)),)))
 """
 
 __all__ = [
-    "Attention", "Block", "Einsum", "EinsumQuant", "Embed", "KVCache", "LayerReport", "MLP",
+    "Attention", "DecoderLayer", "Einsum", "EinsumQuant", "Embed", "KVCache", "LayerReport", "MLP",
     "QWeight", "QuantPolicy", "QuantReport", "QuantRule", "RMSNorm", "Transformer",
     "TransformerConfig",
     "apply_fake_quant", "apply_rope", "attend", "attend_blockwise", "attention_mask",
@@ -37,4 +37,4 @@ from qjax.nn.policy import (QuantPolicy, QuantRule, apply_fake_quant, quantize_m
 from qjax.nn.report import (LayerReport, QuantReport, einsum_layers, layer_paths, model_report,
                             param_count, weight_bytes)
 from qjax.nn.rope import apply_rope
-from qjax.nn.transformer import MLP, Block, Transformer, check_token_ids
+from qjax.nn.transformer import MLP, DecoderLayer, Transformer, check_token_ids

@@ -37,7 +37,7 @@ Other cache types. `write` hands a cache that is not a `KVCache` to its own
 `cache.write(layer, k_BTKH, v_BTKH, positions_BT)`, and attention then calls
 `cache.attend(layer, q_BTNH, positions_BT, window=, logit_softcap=)`; that is the whole
 protocol a paged cache implements (it also has `k`, `v` and `qformat`, for `through_format`).
-`forward(model, tokens_BT, cache, num_new_B)` runs a model's blocks over a `KVCache` under a
+`forward(model, tokens_BT, cache, num_new_B)` runs a model's layers over a `KVCache` under a
 caller's jit, each row's length advanced by its own count: the cache forward speculative
 rounds take (`qjax.infer.spec_round`; `qjax.infer.paged.forward` is the paged cache's).
 
@@ -440,7 +440,7 @@ def next_positions(cache: KVCache, num_new: int) -> jax.Array:
 
 def forward(model, tokens_BT: jax.Array, cache: KVCache, num_new_B: Union[int, jax.Array], *,
             num_real: Union[None, int, jax.Array] = None) -> tuple[jax.Array, KVCache]:
-  """Run `model`'s blocks over the cache under the caller's jit: (x_BTD of the last block,
+  """Run `model`'s layers over the cache under the caller's jit: (x_BTD of the last layer,
   cache), the returned cache's length advanced by `num_new_B` per row.
 
   The one cache forward: `Transformer.__call__`, the generation steps (`qjax.nn.generate`)
@@ -464,7 +464,7 @@ def forward(model, tokens_BT: jax.Array, cache: KVCache, num_new_B: Union[int, j
     real_1T = jnp.arange(t, dtype=jnp.int32)[None] < num_real
     positions_BT = jnp.where(real_1T, positions_BT, EMPTY_POSITION)
   x_BTD = poison_overflow(cache, t, model.embed_tokens(tokens_BT))
-  x_BTD, cache = model.blocks(x_BTD, positions_BT, cache)
+  x_BTD, cache = model.run_layers(x_BTD, positions_BT, cache)
   return x_BTD, dataclasses.replace(cache, length=length_B + num_new_B)
 
 

@@ -1,4 +1,4 @@
-"""The decoder-only transformer: `MLP`, `Block`, `Transformer`.
+"""The decoder-only transformer: `MLP`, `DecoderLayer`, `Transformer`.
 
 Calling convention (one method, two uses):
 
@@ -12,7 +12,7 @@ Calling convention (one method, two uses):
 (calibration, probes) use instead of restating them:
 
     x_BTD = model.embed_tokens(tokens_BT)                  # lookup, sqrt(D) scaling
-    x_BTD, cache = model.blocks(x_BTD, positions_BT, cache)   # every Block (model.layers)
+    x_BTD, cache = model.run_layers(x_BTD, positions_BT, cache)   # model.layers in order
     logits_BTV = model.logits(x_BTD)                       # final norm, head, final softcap
 
 Logits are float32 whatever the compute dtype.
@@ -69,8 +69,9 @@ class MLP(nnx.Module):
     return self.down_proj(gate_BTF * self.up_proj(x_BTD))
 
 
-class Block(nnx.Module):
-  """Pre-norm residual block; with `post_norms`, outputs are normed again before the add."""
+class DecoderLayer(nnx.Module):
+  """One pre-norm residual decoder layer (attention, then MLP); with `post_norms`, outputs
+  are normed again before the add."""
 
   def __init__(self, cfg: TransformerConfig, layer: int, *, rngs: nnx.Rngs):
     kw = dict(eps=cfg.rms_eps, plus_one=cfg.norm_plus_one, param_dtype=cfg.param_dtype)
@@ -108,7 +109,7 @@ class Transformer(nnx.Module):
     pd = config.param_dtype
     self.embed = Embed(config.vocab_size, config.d_model, axes.WEIGHT_AXES['VD'], rngs=rngs,
                        param_dtype=pd)
-    self.layers = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
+    self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)])
     self.final_norm = RMSNorm(config.d_model, axes.EMBED, eps=config.rms_eps,
                               plus_one=config.norm_plus_one, param_dtype=pd)
     if config.tie_embeddings:
@@ -118,7 +119,7 @@ class Transformer(nnx.Module):
                             axes.WEIGHT_AXES['DV'], rngs=rngs, param_dtype=pd)
 
   def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
-    """The input of block 0: the embedding rows of `tokens_BT` in the compute dtype.
+    """The input of layer 0: the embedding rows of `tokens_BT` in the compute dtype.
 
     Args:
       tokens_BT: int token ids.
@@ -135,28 +136,28 @@ class Transformer(nnx.Module):
       x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, cfg.compute_dtype)
     return x_BTD
 
-  def blocks(self, x_BTD: jax.Array, positions_BT: jax.Array,
+  def run_layers(self, x_BTD: jax.Array, positions_BT: jax.Array,
              cache: Optional[kvcache.KVCache] = None):
-    """Every block of `self.layers` in order.
+    """Every layer of `self.layers` in order (`DecoderLayer`).
 
     Args:
-      x_BTD: the input of block 0 (`embed_tokens`).
+      x_BTD: the input of layer 0 (`embed_tokens`).
       positions_BT: positions of the T inputs of each row.
       cache: None, or a KV cache each layer writes its new keys/values to, at each row's slot
         `cache.length[b]` (the caller advances it; `__call__` does).
 
     Returns:
-      (x_BTD, cache): the last block's output, and the cache (None when None was given).
+      (x_BTD, cache): the last layer's output, and the cache (None when None was given).
     """
-    for block in self.layers:
-      x_BTD, cache = block(x_BTD, positions_BT, cache)
+    for layer in self.layers:
+      x_BTD, cache = layer(x_BTD, positions_BT, cache)
     return x_BTD, cache
 
   def logits(self, x_BTD: jax.Array) -> jax.Array:
     """The output phase: final norm, LM head (the embedding when tied), final softcap.
 
     Args:
-      x_BTD: the last block's output.
+      x_BTD: the last layer's output.
 
     Returns:
       logits_BTV in float32.
@@ -167,7 +168,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BT: jax.Array, cache: Optional[kvcache.KVCache] = None,
                positions_BT: Optional[jax.Array] = None):
-    """Logits of every position: `logits(blocks(embed_tokens(tokens_BT), ...))`.
+    """Logits of every position: `logits(run_layers(embed_tokens(tokens_BT), ...))`.
 
     Args:
       tokens_BT: int token ids.
@@ -187,7 +188,7 @@ class Transformer(nnx.Module):
                          f'config.max_len={cfg.max_len}; truncate it or raise max_len.')
       if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-      x_BTD, _ = self.blocks(self.embed_tokens(tokens_BT), positions_BT)
+      x_BTD, _ = self.run_layers(self.embed_tokens(tokens_BT), positions_BT)
       return self.logits(x_BTD)
     if positions_BT is not None:
       raise ValueError('Transformer: positions with a cache are cache.length[b] + 0..T-1 '

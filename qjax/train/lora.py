@@ -362,7 +362,7 @@ def hidden(model: nnx.Module, tokens_BT: jax.Array, remat: bool = False) -> jax.
   positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   x_BTD = model.embed_tokens(tokens_BT)
   if not remat:
-    return model.blocks(x_BTD, positions_BT)[0]
+    return model.run_layers(x_BTD, positions_BT)[0]
   block_fn = nnx.remat(lambda block, x, pos: block(x, pos, None)[0])
   for block in model.layers:
     x_BTD = block_fn(block, x_BTD, positions_BT)

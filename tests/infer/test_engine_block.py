@@ -56,7 +56,7 @@ def test_blocks_give_the_events_of_single_steps(model):
 
 def test_steady_state_compiles_nothing_and_sends_only_a_grown_table(model):
   """Two requests decode 16 tokens in blocks of 4 on pages of 16: the first block sends the
-  row state, the next run on the device's outputs, sending the block table when a page is
+  row state, the next run on the device's outputs, sending the page table when a page is
   added."""
   prompts = _prompts((5, 5), seed=1)
   params = SamplingParams(temperature=0.0, max_tokens=17)
@@ -70,7 +70,7 @@ def test_steady_state_compiles_nothing_and_sends_only_a_grown_table(model):
   assert st.compilations == compiled  # none after the warm-up
   assert st.dispatches == 1 + 4  # the prefill step, then 16 decode steps in 4 blocks
   # Block 1 sends the 9 arrays of the rows' state; blocks 2-4 are queued behind the block
-  # before them and run on its outputs: only the block table is given, sent once (block 3,
+  # before them and run on its outputs: only the page table is given, sent once (block 3,
   # a page was added) and otherwise kept on the device.
   assert (st.arrays_sent - sent0, st.arrays_kept - kept0) == (10, 2)
   timing = st.timing()

@@ -68,7 +68,7 @@ def test_paged_decode_equals_contiguous_decode_for_ragged_rows(fmt, paged_logits
 def test_packed_steps_over_blocks_of_several_pages_equal_contiguous_prefill(fmt, monkeypatch,
                                                                            paged_logits_step):
   """Packed steps (tokens (N, 1), each row's tokens one after another, attended together in
-  that row) with key blocks of 2 pages: a block table of 9 pages (5 blocks, the last padded
+  that row) with key blocks of 2 pages: a page table of 9 pages (5 blocks, the last padded
   with the sink) and rings of 3 pages (2 blocks, the slots past the ring masked). Rows of
   15, 3 and 9 tokens feed chunks of 4 into one bucket of 12 tokens (row 1 idle once done,
   row 2's last token attending as a one-token row, padding tokens at the end, later steps
@@ -163,4 +163,4 @@ def test_quantized_pools_shard_codes_and_scales_by_the_layout_rules(eight_device
   for leaf in jax.tree.leaves(cache.k + cache.v):
     assert leaf.sharding.spec == jax.sharding.PartitionSpec(('x', 'y'), None, 'z', None)
     assert leaf.addressable_shards[0].data.shape[:3] == (2, P, 1)
-  assert cache.block_table.sharding.spec == jax.sharding.PartitionSpec()
+  assert cache.page_table.sharding.spec == jax.sharding.PartitionSpec()

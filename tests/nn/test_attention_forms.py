@@ -166,7 +166,7 @@ def test_fused_model_forward_grad_and_cached_prefill_match_dense():
   @nnx.jit
   def run(model):
     grads = nnx.grad(lambda m: jnp.mean(m(tokens) ** 2))(model)
-    cached, _ = model.blocks(model.embed_tokens(tokens), pos, init_cache(cfg, batch=2))
+    cached, _ = model.run_layers(model.embed_tokens(tokens), pos, init_cache(cfg, batch=2))
     return model(tokens), grads, cached
   for a, b in zip(jax.tree.leaves(run(fused)), jax.tree.leaves(run(dense))):
     np.testing.assert_allclose(a, b, atol=1e-5)

@@ -107,7 +107,7 @@ def test_the_phases_compose_to_the_forward(name):
   positions_BT = jnp.broadcast_to(jnp.arange(6), (2, 6))
   want = model(tokens)
   x_BTD = model.embed_tokens(tokens)
-  out_BTD, cache = model.blocks(x_BTD, positions_BT)
+  out_BTD, cache = model.run_layers(x_BTD, positions_BT)
   assert cache is None
   np.testing.assert_array_equal(model.logits(out_BTD), want)
   for block in model.layers:
@@ -120,7 +120,7 @@ def test_logits_apply_the_final_softcap(tied):
   cfg = TransformerConfig.tiny(tie_embeddings=tied, final_logit_softcap=0.5)
   capped = Transformer(cfg, rngs=nnx.Rngs(3))
   plain = Transformer(cfg.replace(final_logit_softcap=None), rngs=nnx.Rngs(3))
-  x_BTD = capped.blocks(capped.embed_tokens(_tokens(2, 6)),
+  x_BTD = capped.run_layers(capped.embed_tokens(_tokens(2, 6)),
                         jnp.broadcast_to(jnp.arange(6), (2, 6)))[0]
   raw = np.asarray(plain.logits(x_BTD))
   assert np.abs(raw).max() > 0.5  # the cap changes these logits
