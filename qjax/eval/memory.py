@@ -161,14 +161,15 @@ def activation_bytes(cfg: TransformerConfig, batch: int, tokens: int, context: i
 def attention_scores_bytes(cfg: TransformerConfig, batch: int, tokens: int, context: int,
                            on: Optional[str] = None) -> int:
   """One layer's live f32 attention scores for T queries over S keys, by the form
-  `attention_forms.choose_form` picks on platform `on`: dense forms (and XLA's
-  dot_product_attention) hold B * N * T * S, the blockwise scan one block of keys, a fused
+  `attention_forms.choose_form` picks on platform `on`: dense forms (decode's 'reduce' and
+  XLA's dot_product_attention too) hold B * N * T * S, the blockwise scan one block of keys, a fused
   kernel (cuDNN flash, splash) only each query row's softmax statistics."""
   s = min(context, cfg.max_len)
   form = attention_forms.choose_form(cfg.attention_impl, t=tokens, dtype=cfg.dtype,
                                      head_dim=cfg.head_dim,
                                      logit_softcap=cfg.attn_logit_softcap, on=on).name
-  keys = {'dense': s, 'sdpa_xla': s, 'blockwise': min(s, cfg.attention_block)}.get(form, 1)
+  keys = {'dense': s, 'reduce': s, 'sdpa_xla': s,
+          'blockwise': min(s, cfg.attention_block)}.get(form, 1)
   return batch * cfg.num_heads * tokens * keys * 4
 
 
