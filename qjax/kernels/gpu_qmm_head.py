@@ -13,7 +13,8 @@ columns of x and the high nibbles the odd ones, so nothing is interleaved. Activ
 padded to 16 rows (Triton's smallest dot operand) and the padding rows are masked out of the
 write: the logits are (M, V), not (16, V) (at batch 8 on a compile-only H200 the padded f32
 output was an 8.2 MB temporary that the sampler read twice). On CPU it runs in interpret mode.
-This module imports nothing from qjax but the target.
+This module imports nothing from qjax but the target and `pallas_qmm.int4_fields` (the one
+int4 unpacking).
 """
 
 from __future__ import annotations
