@@ -29,6 +29,7 @@ QUANTIZED = ('int8', 'int4', 'int4_g128', 'fp8', 'w8a8')
 LIMITS = {'int4': 0.30, 'int4_g128': 0.30, 'int8': 0.55, 'fp8': 0.55, 'w8a8': 0.55}
 TEMP_OF_WEIGHTS = 0.05
 OWN_BYTES = 1.25   # a decode step's HBM bytes over its own weight + KV bytes
+ONE_ROW_OWN_BYTES = 1.05  # the same at batch 1
 PREFILL = 1.2      # prefill bytes and flops over bf16's
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -101,7 +102,10 @@ def test_every_format_reads_about_its_own_bytes(rows, target, batch):
   own = {f: _row(rows, target, f, f'decode B={batch}')['hbm_of_own']
          for f in ('bf16',) + QUANTIZED}
   gaps = [f for f in own if (target, batch, f) in GAPS]
-  over = {f: v for f, v in own.items() if v > OWN_BYTES and f not in gaps}
+  # One row reads each weight once: XLA:GPU's unfused multiply and reduce of a one-row dot
+  # (decode_paths.matrix_einsum pads it to two rows) read a small weight three times.
+  bound = ONE_ROW_OWN_BYTES if batch == 1 else OWN_BYTES
+  over = {f: v for f, v in own.items() if v > bound and f not in gaps}
   assert not over, over
   assert all(v >= 0.99 for v in own.values()), own  # fewer than its own weights: a gap
 
