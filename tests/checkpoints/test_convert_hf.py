@@ -184,25 +184,26 @@ def test_an_output_directory_must_be_new_or_empty(converted, tmp_path):
   convert.check_out(str(source), str(tmp_path / 'empty'))  # an empty directory is fine
 
 
-def test_a_source_without_tokenizer_json_is_named(converted, tmp_path):
-  source, _, _ = converted
+def _without_tokenizer_json(source, tmp_path):
+  """A copy of the converted source's checkpoint with no tokenizer.json."""
   half = tmp_path / 'half'
   half.mkdir()
   for name in ('config.json', 'model.safetensors', 'tokenizer_config.json'):
     (half / name).write_bytes((source / name).read_bytes())
+  return half
+
+
+def test_a_source_without_tokenizer_json_is_named(converted, tmp_path):
+  half = _without_tokenizer_json(converted[0], tmp_path)
   with pytest.raises(ValueError, match=rf"--config.source='{half}' has no tokenizer.json"):
     convert.convert(tiny_config(half, tmp_path / 'o'), log=lambda s: None)
-
 
 
 def test_a_failed_conversion_leaves_out_as_it_was(converted, tmp_path):
   # A conversion that failed left the tokenizer files it had copied in OUT, so the same
   # command, corrected, was refused: '--config.out=... already holds [...]'.
   source, _, _ = converted
-  half = tmp_path / 'half'
-  half.mkdir()
-  for name in ('config.json', 'model.safetensors', 'tokenizer_config.json'):
-    (half / name).write_bytes((source / name).read_bytes())
+  half = _without_tokenizer_json(source, tmp_path)
   empty = tmp_path / 'empty'
   empty.mkdir()
   for out in (tmp_path / 'new', empty):
