@@ -10,8 +10,6 @@ See the config's docstring for what is written and how calibration and evaluatio
 import json
 import os
 
-from absl import app
-
 from qjax.pipeline import cli, convert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,4 +30,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, 'experiments.convert')

@@ -12,7 +12,6 @@ import os
 import sys
 import time
 
-from absl import app
 from absl import flags
 from flax import nnx
 
@@ -126,4 +125,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, 'experiments.generate')

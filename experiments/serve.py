@@ -24,7 +24,6 @@ import os
 import pathlib
 import time
 
-from absl import app
 from flax import nnx
 import numpy as np
 
@@ -263,4 +262,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, 'experiments.serve')

@@ -11,8 +11,6 @@ Writes to workdir: checkpoints/ (Orbax), metrics.jsonl, config.json, final.json
 
 import os
 
-from absl import app
-
 from qjax import pipeline
 from qjax.pipeline import cli
 
@@ -28,4 +26,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, 'experiments.train')

@@ -134,6 +134,30 @@ def define_config(default: str, root: str, *, lock_config: bool = True,
   return config_flags.DEFINE_config_file('config', default, lock_config=lock_config)
 
 
+# Errors a command raises to refuse its input (a bad value, a missing or occupied path): the
+# message names the value and the fix, so it is printed alone, not under a traceback.
+REFUSALS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
+            IsADirectoryError, PermissionError)
+
+
+def run(main, prog: str) -> None:
+  """`app.run(main)`, where a refusal (`REFUSALS`) prints '<prog>: <message>' and exits 2.
+
+  QJAX_TRACEBACK=1 keeps the traceback (a refusal raised from inside jax or a library is
+  rarer, and its traceback is what a bug report wants).
+  """
+  def guarded(argv):
+    try:
+      return main(argv)
+    except REFUSALS as e:
+      if os.environ.get('QJAX_TRACEBACK') == '1':
+        raise
+      sys.stderr.write(f'{prog}: {type(e).__name__}: {e}\n(QJAX_TRACEBACK=1 shows where it '
+                       'was raised)\n')
+      sys.exit(2)
+  app.run(guarded)
+
+
 def check_context(i: int, prompt_len: int, max_tokens: int, context: int,
                   model_max: int) -> None:
   """Refuse prompt `i` of `prompt_len` tokens when it and `--config.max_tokens` pass the

@@ -64,7 +64,12 @@ def test_unknown_settings_exit_with_a_usage_error_from_any_directory(tmp_path, s
 def test_bad_values_name_the_flag(args, message):
   import re  # pylint: disable=g-import-not-at-top
   r = _run(['-m', *args], cwd=ROOT)
-  assert r.returncode != 0 and re.search(message, r.stderr), r.stderr[-2000:]
+  assert r.returncode == 2 and re.search(message, r.stderr), r.stderr[-2000:]
+  # A refusal is its message alone; QJAX_TRACEBACK=1 shows where it was raised.
+  assert 'Traceback' not in r.stderr and f'{args[0]}: ValueError: ' in r.stderr, r.stderr
+  if args[0] == 'experiments.generate':
+    r = _run(['-m', *args], cwd=ROOT, env_extra={'QJAX_TRACEBACK': '1'})
+    assert r.returncode != 0 and 'Traceback' in r.stderr, r.stderr[-2000:]
 
 
 def test_generate_runs_from_another_directory_and_says_what_it_uses(tmp_path,
