@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import pytest
 
 from qjax.aot import toolchain
@@ -36,11 +35,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Known gaps (docs/quantized_matmul.md): not asserted to fail, shown as expected failures.
 GAPS = {}
 TEMP_GAPS = {}
-# XLA:GPU of jax 0.12 holds ~16.8 MB of temp in every format's decode step (bf16's too; 8.4 MB
-# under jax 0.10): 5.2% of the one-layer int8 / fp8 model's weights, 0.3% of the 16-layer one's.
-if tuple(int(p) for p in jax.__version__.split('.')[:2]) >= (0, 12):
-  TEMP_GAPS.update({('h200', 1, f): 'XLA:GPU 0.12: a ~16.8 MB temp in every format, bf16 too'
-                    for f in ('int8', 'fp8')})
 XLA_TPU = ("XLA:TPU's cost analysis counts a weight prefetched into VMEM about five times and "
            'one read in place once; the HBM model counts each transfer once')
 
