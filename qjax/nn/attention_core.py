@@ -51,12 +51,6 @@ def weighted_values(probs_BKGTS: jax.Array, v_BSKH: jax.Array, mask_BTS: jax.Arr
   slot whose value is not finite adds nothing to a query that cannot see it, and makes a
   query that can see it NaN (the failure stays with the request it belongs to).
   """
-  if mask_BTS.shape[1] == 1:
-    # One query per row (decode): zeroing the slots it cannot see is the whole rule (a select
-    # on the mask; no finiteness pass over the cache), and a visible non-finite value makes
-    # the query NaN through the product itself.
-    clean_BSKH = jnp.where(mask_BTS[:, 0, :, None, None], v_BSKH, jnp.zeros((), v_BSKH.dtype))
-    return jnp.einsum('BKGTS,BSKH->BKGTH', probs_BKGTS, clean_BSKH, **einsum_kw)
   bad_BSK = ~jnp.all(jnp.isfinite(v_BSKH), axis=-1)
   clean_BSKH = jnp.where(bad_BSK[..., None], jnp.zeros((), v_BSKH.dtype), v_BSKH)
   out_BKGTH = jnp.einsum('BKGTS,BSKH->BKGTH', probs_BKGTS, clean_BSKH, **einsum_kw)
