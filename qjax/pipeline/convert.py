@@ -200,9 +200,10 @@ def convert(c, log=print) -> dict:
   fresh = not os.path.exists(c.out)
   try:
     return _convert(c, source, log)
-  except BaseException:
+  except Exception:  # pylint: disable=broad-except  (re-raised)
     # What this run wrote goes, so the same OUT takes the corrected command (it was left
-    # holding the tokenizer files, and the retry was refused as a directory not empty).
+    # holding the tokenizer files, and the retry was refused as a directory not empty). An
+    # interrupt (Ctrl-C) keeps what was written: a saved checkpoint is not thrown away.
     _clear(c.out, fresh)
     raise
 
